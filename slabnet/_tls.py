@@ -1,0 +1,803 @@
+"""Sans-IO TLS engine: ``ssl.SSLObject`` over two ``MemoryBIO`` objects.
+
+Theory of operation
+===================
+
+The engine never touches a socket.  The shell hands it ciphertext with
+:meth:`TLSEngine.receive_data` (copied into the incoming ``MemoryBIO`` at
+once, because the caller's buffer is a view of a shared read slab that is
+reused right after), asks for plaintext with :meth:`TLSEngine.read_chunk`, and
+sends whatever :meth:`TLSEngine.data_to_send` returns.  Exact call order::
+
+    engine = TLSEngine(ctx, server_hostname=...)
+    send(engine.data_to_send())              # ClientHello (clients)
+    on every piece of ciphertext:
+        engine.receive_data(piece)
+        if engine.state is HANDSHAKING:
+            done = engine.do_handshake()     # raises on failure
+            send(engine.data_to_send())
+            if not done: continue
+        while (chunk := engine.read_chunk()) is not None:
+            if not chunk: EOF: the peer closed cleanly
+            deliver(chunk)
+        send(engine.data_to_send())          # renegotiation, KeyUpdate
+    on TCP FIN: engine.receive_eof(), then the same read loop
+    to write:   engine.write(data) / write_many(bufs); send(data_to_send())
+    to close:   engine.start_shutdown(); send(data_to_send()); keep reading
+                until read_chunk() returns the empty view (state CLOSED)
+
+``SSLWantReadError`` only means "feed me more ciphertext"; with memory BIOs
+``SSLWantWriteError`` cannot happen, because the outgoing BIO grows without
+bound.  A TLS 1.2 renegotiation or a TLS 1.3 post-handshake message (session
+ticket, KeyUpdate) is processed inside ``SSLObject.read`` and may queue
+ciphertext of its own, so the shell sends ``data_to_send()`` after every read
+batch.  During a TLS 1.2 renegotiation ``SSLObject.write`` can itself raise
+``SSLWantReadError`` before it encrypts anything; the engine keeps such
+writes (as private copies, so the retry passes the same bytes, which OpenSSL
+requires) and retries them after the next read batch.
+
+Record coalescing (seed 001)
+----------------------------
+``SSL_read`` returns at most one record.  Peers that send small records
+(nginx's 4 KiB ``ssl_buffer_size``, dynamic record sizing starting at ~1 KiB)
+would make every record pay for a chunk and a trip through the shell.  A
+:class:`~slabnet._records.RecordScanner` follows the record headers of the
+incoming stream, so the engine knows what sits in the BIO: how far OpenSSL has
+read is ``scanner.fed - incoming.pending``.  One ``read_chunk`` call is one
+batch:
+
+* it starts with one ``SSLObject.read`` of whatever record comes next;
+* it keeps reading into the same buffer, up to ``max_chunk`` bytes, only while
+  the next record is complete, is application_data (type 23) and is longer
+  than an empty record of the negotiated cipher (see
+  :func:`empty_record_size`).  ``SSL_read`` skips an empty record and goes on
+  with the next one, which could be a handshake record;
+* it never waits for more input.
+
+So in TLS 1.2 a handshake, alert or change_cipher_spec record ends the batch
+and is processed by the *next* batch, after the data in front of it has been
+returned.  In TLS 1.3 post-handshake messages travel in application_data
+records and cannot be told apart from data by the header; they may be
+processed in the middle of a batch (as in Node.js after seed 001).
+
+When no complete record is left in the BIO and OpenSSL holds no decrypted
+bytes (``SSLObject.pending() == 0``), ``read_chunk`` returns None without
+calling ``SSLObject.read``: that read could only raise ``SSLWantReadError``,
+which costs an exception and an OpenSSL error-queue walk (cpython issue
+123954).  The engine never writes EOF into the BIO; it decides between clean
+EOF and truncation itself, from what the scanner has seen.
+
+Chunk ownership (seed 000)
+--------------------------
+Every chunk is a read-only memoryview over a buffer of exactly its own size
+(``len(chunk.obj) == len(chunk)``): an application may keep any chunk for a
+long time without pinning anything else.  The engine holds no read buffer
+between calls.  The buffer of a batch is sized from the record headers:
+the sum over the batch of ``length - overhead`` (:func:`record_overhead`),
+which is exact for AEAD suites without TLS 1.3 padding; when padding or CBC
+made the plaintext shorter the buffer is trimmed in place.  A batch of one
+record is read with ``read(n)`` into a ``bytes`` object, which OpenSSL fills
+directly and which needs no zeroing.
+
+Errors and EOF
+--------------
+The read side ends exactly once, with clean EOF (close_notify, or a TCP FIN
+when ``ragged_eof=True``) or with an exception; it is reported after every
+byte decrypted before it, and again on every later call.  ``ssl.SSLError``
+subclasses raised by OpenSSL pass through unchanged.  A record header that
+cannot be valid raises ``TLSRecordError`` once the records in front of it are
+delivered.  A FIN without close_notify raises ``TLSTruncatedError`` (unless
+``ragged_eof``); a FIN inside a record always does, because bytes were lost.
+Nothing after close_notify is returned.
+
+Lifecycle
+---------
+:class:`TLSState` is the one lifecycle enum, changed only by
+:meth:`TLSEngine._set_state`, which allows only the transitions listed in
+``_TRANSITIONS``.  All calls into the ``SSLObject`` that move data or change
+its state go through one choke point, :meth:`TLSEngine._ssl_io`.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import ssl
+from collections import deque
+from collections.abc import Sequence
+from typing import Any, Final, Union
+
+from slabnet._errors import TLSRecordError, TLSTruncatedError
+from slabnet._records import MAX_LENGTH_TLS12, MAX_LENGTH_TLS13, RecordScanner
+
+__all__ = ["TLSEngine", "TLSState", "empty_record_size", "record_overhead"]
+
+Buffer = Union[bytes, bytearray, memoryview]
+
+#: Largest TLSPlaintext fragment: 2^14 bytes (RFC 8446 §5.1, RFC 5246
+#: §6.2.1).  It is the default chunk size (the seed 001 batch buffer; 64 KiB
+#: was measured there to gain only 2-5 % and let a paused stream overshoot
+#: its high-water mark) and the size ``write_many`` joins small buffers to,
+#: so that each joined piece fills whole records.
+MAX_FRAGMENT: Final = 2**14
+
+_EMPTY: Final = memoryview(b"")
+
+
+# ---------------------------------------------------------------------------
+# Record expansion of a cipher suite
+# ---------------------------------------------------------------------------
+
+# AEAD tag sizes: 16 bytes for GCM (NIST SP 800-38D as used by RFC 5288),
+# ChaCha20-Poly1305 (RFC 8439) and CCM (RFC 6655); 8 bytes for CCM_8.
+_TAG: Final = 16
+_TAG_CCM8: Final = 8
+# TLS 1.2 GCM and CCM send an 8-byte explicit nonce per record (RFC 5288 §3,
+# RFC 6655 §3); ChaCha20-Poly1305 derives it from the sequence number
+# (RFC 7905 §2).
+_EXPLICIT_NONCE: Final = 8
+# HMAC output sizes by the suite's MAC name (RFC 5246 §6.2.3.1).
+_MAC_SIZES: Final = {"MD5": 16, "SHA": 20, "SHA256": 32, "SHA384": 48}
+# CBC padding: 1 length byte plus up to 255 padding bytes (RFC 5246
+# §6.2.3.2), so an empty CBC record can carry up to 256 bytes of padding.
+_MAX_CBC_PADDING: Final = 256
+
+
+@functools.lru_cache(maxsize=64)
+def _expansion(version: str, cipher_name: str) -> tuple[int, int]:
+    """(smallest per-record overhead, longest empty record) for a suite."""
+    name = cipher_name.upper()
+    if version == "TLSv1.3":
+        # TLSInnerPlaintext = content || type (1 byte) || zero padding,
+        # sealed with the AEAD tag (RFC 8446 §5.2).  Padding is optional
+        # and unbounded, so this is the size of an unpadded empty record.
+        tag = _TAG_CCM8 if "CCM_8" in name else _TAG
+        return tag + 1, tag + 1
+    if "GCM" in name or "CCM" in name:
+        tag = _TAG_CCM8 if "CCM8" in name or "CCM_8" in name else _TAG
+        return _EXPLICIT_NONCE + tag, _EXPLICIT_NONCE + tag
+    if "CHACHA20" in name:
+        return _TAG, _TAG
+    mac = _MAC_SIZES.get(name.rsplit("-", 1)[-1])
+    if mac is None:
+        # Unknown suite: claim no overhead (buffers are then sized
+        # generously and trimmed) and treat every record as possibly empty,
+        # which turns coalescing off.  Correct, only slower.
+        return 0, MAX_LENGTH_TLS12
+    if "NULL" in name.split("-") or "RC4" in name:
+        # No encryption or a stream cipher: the MAC is all there is.
+        return mac, mac
+    block = 8 if ("DES" in name or "IDEA" in name or "RC2" in name) else 16
+    # TLS 1.1+ sends an explicit IV per record (RFC 4346 §6.2.3.2); TLS 1.0
+    # chains the IV from the previous record.
+    iv = 0 if version in ("TLSv1", "SSLv3") else block
+    # At least one padding-length byte; at most 256 bytes of padding, with
+    # MAC-then-encrypt or encrypt-then-MAC (RFC 7366) alike.
+    return iv + mac + 1, iv + mac + _MAX_CBC_PADDING
+
+
+def record_overhead(version: str, cipher_name: str) -> int:
+    """Smallest number of bytes a record of this suite adds to its plaintext.
+
+    ``length - record_overhead(...)`` bounds the plaintext of a record whose
+    header says ``length``; it is exact for AEAD suites (TLS 1.3 records may
+    be shorter only if the peer pads them).  ``version`` and ``cipher_name``
+    are what ``SSLObject.version()`` and ``SSLObject.cipher()[0]`` return.
+    """
+    return _expansion(version, cipher_name)[0]
+
+
+def empty_record_size(version: str, cipher_name: str) -> int:
+    """Length of the longest application_data record that may be empty.
+
+    TLS 1.3 AEAD: tag + inner content type (17; 9 for CCM_8).  TLS 1.2 GCM
+    and CCM: explicit nonce + tag (24; 16 for CCM_8).  TLS 1.2
+    ChaCha20-Poly1305: the tag (16).  CBC suites: IV + MAC + the largest
+    padding (256), because a peer may pad an empty record that much.  An
+    unknown suite gets 2^14 + 2048, which disables coalescing.
+    """
+    return _expansion(version, cipher_name)[1]
+
+
+# ---------------------------------------------------------------------------
+# Lifecycle
+# ---------------------------------------------------------------------------
+
+
+class TLSState(enum.Enum):
+    """Lifecycle of one TLS connection."""
+
+    HANDSHAKING = "handshaking"
+    #: Handshake done; reading and writing.  The read side may already have
+    #: ended (peer's close_notify, accepted ragged EOF) while we still write.
+    OPEN = "open"
+    #: We sent close_notify and wait for the peer's.
+    CLOSING = "closing"
+    #: Both close_notify alerts exchanged (or the read side ended cleanly).
+    CLOSED = "closed"
+    #: A TLS error or truncation ended the connection.
+    BROKEN = "broken"
+
+
+_HANDSHAKING: Final = TLSState.HANDSHAKING
+_OPEN: Final = TLSState.OPEN
+_CLOSING: Final = TLSState.CLOSING
+_CLOSED: Final = TLSState.CLOSED
+_BROKEN: Final = TLSState.BROKEN
+
+_TRANSITIONS: Final[dict[TLSState, frozenset[TLSState]]] = {
+    _HANDSHAKING: frozenset({_OPEN, _BROKEN}),
+    _OPEN: frozenset({_CLOSING, _CLOSED, _BROKEN}),
+    _CLOSING: frozenset({_CLOSED, _BROKEN}),
+    _CLOSED: frozenset(),
+    _BROKEN: frozenset(),
+}
+
+
+class _Op(enum.Enum):
+    HANDSHAKE = "do_handshake"
+    READ = "read"
+    WRITE = "write"
+    SHUTDOWN = "unwrap"
+
+
+_EOF: Final = object()  # the read side ended cleanly
+_AGAIN: Final = object()  # a read made progress but produced no data
+
+
+class TLSEngine:
+    """TLS for one connection, without I/O.  See the module docstring."""
+
+    __slots__ = (
+        "ssl_object",
+        "_context",
+        "_incoming",
+        "_outgoing",
+        "_scanner",
+        "_state",
+        "_ragged_eof",
+        "_max_chunk",
+        "_read",
+        "_overhead",
+        "_empty_size",
+        "_tls12",
+        "_input_closed",
+        "_read_final",
+        "_error",
+        "_leftover",
+        "_held",
+        "_blocked",
+        "_shutdown_after_writes",
+        "read_calls",
+        "chunks_returned",
+        "want_read_errors",
+        "write_calls",
+    )
+
+    ssl_object: ssl.SSLObject
+
+    def __init__(
+        self,
+        context: ssl.SSLContext,
+        *,
+        server_side: bool = False,
+        server_hostname: str | None = None,
+        session: ssl.SSLSession | None = None,
+        ragged_eof: bool = False,
+        max_chunk: int = MAX_FRAGMENT,
+    ) -> None:
+        if max_chunk < 1:
+            raise ValueError(f"max_chunk must be positive, got {max_chunk}")
+        self._context = context
+        self._incoming = ssl.MemoryBIO()
+        self._outgoing = ssl.MemoryBIO()
+        self.ssl_object = context.wrap_bio(
+            self._incoming,
+            self._outgoing,
+            server_side=server_side,
+            server_hostname=server_hostname,
+            session=session,
+        )
+        self._scanner = RecordScanner()
+        self._state = _HANDSHAKING
+        self._ragged_eof = ragged_eof
+        self._max_chunk = max_chunk
+        # The C-level read of the stdlib SSLObject skips one Python frame per
+        # record (about 0.1 us, measured in benchmarks/tls_engine_micro.py);
+        # a subclass that overrides read() keeps its override.
+        sslobj: Any = self.ssl_object
+        if type(sslobj).read is ssl.SSLObject.read and hasattr(sslobj, "_sslobj"):
+            self._read = sslobj._sslobj.read
+        else:
+            self._read = sslobj.read
+        # Until the handshake says otherwise: no coalescing.
+        self._overhead = 0
+        self._empty_size = MAX_LENGTH_TLS12
+        self._tls12 = False
+        self._input_closed = False
+        # _EOF or the exception that ends the read side, once reached.
+        self._read_final: object = None
+        self._error: BaseException | None = None  # why we are BROKEN
+        self._leftover = False  # OpenSSL may hold decrypted bytes
+        self._held: deque[memoryview] = deque()  # drained at shutdown
+        self._blocked: deque[bytes] = deque()  # writes waiting for a handshake
+        self._shutdown_after_writes = False
+        # Counters for tests and benchmarks.
+        self.read_calls = 0  # SSLObject.read calls
+        self.chunks_returned = 0  # non-empty chunks from read_chunk()
+        self.want_read_errors = 0  # SSLWantReadError raised by read
+        self.write_calls = 0  # SSLObject.write calls
+
+    # -- properties ----------------------------------------------------------
+
+    @property
+    def state(self) -> TLSState:
+        return self._state
+
+    @property
+    def records_read(self) -> int:
+        """Records OpenSSL has consumed from the incoming BIO (handshake
+        records included), as of the last read_chunk()."""
+        return self._scanner.records_consumed
+
+    @property
+    def buffered_ciphertext(self) -> int:
+        """Incoming ciphertext bytes that OpenSSL has not consumed yet."""
+        return self._incoming.pending
+
+    @property
+    def eof_received(self) -> bool:
+        """True once read_chunk() has returned (or will return) clean EOF."""
+        return self._read_final is _EOF
+
+    def _set_state(self, new: TLSState) -> None:
+        old = self._state
+        if new is old:
+            return
+        if new not in _TRANSITIONS[old]:
+            raise RuntimeError(f"TLSEngine: illegal transition {old.name} -> {new.name}")
+        self._state = new
+
+    def _break(self, exc: BaseException) -> BaseException:
+        """Record `exc` as the end of the connection (state BROKEN)."""
+        if self._error is None:
+            self._error = exc
+        if self._state is not _BROKEN and self._state is not _CLOSED:
+            self._set_state(_BROKEN)
+        return exc
+
+    # -- incoming ciphertext -------------------------------------------------
+
+    def receive_data(self, data: Buffer) -> None:
+        """Take ciphertext from the peer; `data` is copied before returning."""
+        if self._read_final is not None or self._state is _CLOSED:
+            return  # nothing after close_notify or an error is read
+        scanner = self._scanner
+        if scanner.error is not None:
+            return
+        before = scanner.fed
+        try:
+            scanner.feed(data)
+        except TLSRecordError:
+            # Keep the valid prefix: its records are delivered before the
+            # error surfaces.
+            self._incoming.write(memoryview(data)[: scanner.fed - before])
+            return
+        self._incoming.write(data)
+
+    def receive_eof(self) -> None:
+        """The peer closed its side of TCP.  Call read_chunk() next."""
+        self._input_closed = True
+
+    # -- handshake -----------------------------------------------------------
+
+    def do_handshake(self) -> bool:
+        """Advance the handshake; True once it is complete.
+
+        Raises the ``ssl.SSLError`` OpenSSL raised (certificate errors are
+        ``ssl.SSLCertVerificationError``), ``TLSRecordError`` for garbage,
+        or ``TLSTruncatedError`` if the peer closed TCP mid-handshake.
+        """
+        state = self._state
+        if state is not _HANDSHAKING:
+            if state is _BROKEN and self._error is not None:
+                raise self._error
+            return True
+        if self._ssl_io(_Op.HANDSHAKE) is _AGAIN:
+            # OpenSSL wants more; has everything that arrived been used up?
+            scanner = self._scanner
+            if not scanner.has_complete_record(scanner.fed - self._incoming.pending):
+                if scanner.error is not None:
+                    raise self._break(scanner.error)
+                if self._input_closed:
+                    raise self._break(
+                        TLSTruncatedError(
+                            "the peer closed the connection during the TLS handshake"
+                        )
+                    )
+            return False
+        self._on_handshake_done()
+        return True
+
+    def _on_handshake_done(self) -> None:
+        sslobj = self.ssl_object
+        version = sslobj.version() or ""
+        self._refresh_expansion()
+        self._tls12 = version != "TLSv1.3"
+        self._set_state(_OPEN)
+        if version == "TLSv1.3":
+            try:
+                self._scanner.set_max_length(MAX_LENGTH_TLS13)
+            except TLSRecordError:
+                pass  # surfaces from read_chunk() after the data before it
+
+    def _refresh_expansion(self) -> None:
+        sslobj = self.ssl_object
+        cipher = sslobj.cipher()
+        if cipher is not None:
+            overhead, empty = _expansion(sslobj.version() or "", cipher[0])
+            self._overhead = overhead
+            self._empty_size = empty
+
+    # -- reading -------------------------------------------------------------
+
+    def read_chunk(self) -> memoryview | None:
+        """Decrypt the next batch of buffered records.
+
+        Returns a non-empty read-only memoryview of at most ``max_chunk``
+        bytes (``len(chunk.obj) == len(chunk)``); None when nothing more can
+        be decrypted from what has arrived (or the handshake is not done);
+        the empty memoryview at clean EOF, again on every later call.  A
+        pending error is raised once every byte in front of it was returned,
+        and again on every later call.
+        """
+        final = self._read_final
+        if final is not None:
+            if final is _EOF:
+                return _EMPTY
+            raise final  # type: ignore[misc]
+        if self._state is _HANDSHAKING:
+            return None
+        if self._held:
+            return self._held.popleft()
+        result: Any = self._ssl_io(_Op.READ)
+        while result is _AGAIN:
+            result = self._ssl_io(_Op.READ)
+        if self._blocked:
+            self._retry_blocked_writes()
+        if result is None:
+            return self._on_input_used_up()
+        if result is _EOF:
+            return _EMPTY
+        return result  # type: ignore[no-any-return]
+
+    def _on_input_used_up(self) -> memoryview | None:
+        """No complete record is left in the BIO and OpenSSL holds no
+        plaintext: nothing more can be decrypted until more input comes."""
+        scanner = self._scanner
+        final: BaseException | None
+        if scanner.error is not None:
+            final = scanner.error
+        elif self._input_closed:
+            partial = self._incoming.pending
+            if partial:
+                final = TLSTruncatedError(
+                    "the peer closed the connection in the middle of a TLS"
+                    f" record ({partial} bytes of it arrived)"
+                )
+            elif self._ragged_eof:
+                self._read_final = _EOF
+                if self._state is _CLOSING:
+                    self._set_state(_CLOSED)
+                return _EMPTY
+            else:
+                final = TLSTruncatedError(
+                    "the peer closed the connection without a TLS close_notify"
+                    " alert (pass ragged_eof=True to accept this)"
+                )
+        else:
+            return None
+        self._read_final = final
+        raise self._break(final)
+
+    def _on_close_notify(self) -> None:
+        self._read_final = _EOF
+        if self._state is _CLOSING:
+            self._set_state(_CLOSED)
+
+    # -- writing -------------------------------------------------------------
+
+    def write(self, data: Buffer) -> None:
+        """Encrypt `data` (one ``SSLObject.write``, any size)."""
+        self._check_writable()
+        if self._blocked:
+            self._blocked.append(bytes(data))
+            return
+        self._ssl_io(_Op.WRITE, data)
+
+    def write_many(self, buffers: Sequence[Buffer]) -> None:
+        """Encrypt several buffers with as few ``SSLObject.write`` calls as
+        possible: runs of small buffers are joined into pieces of at most
+        ``MAX_FRAGMENT`` bytes; a buffer of that size or more is written on
+        its own, without a copy."""
+        self._check_writable()
+        run: list[Buffer] = []
+        run_size = 0
+        write = self._write_one
+        for buf in buffers:
+            size = memoryview(buf).nbytes if isinstance(buf, memoryview) else len(buf)
+            if not size:
+                continue
+            if size >= MAX_FRAGMENT:
+                if run:
+                    write(run[0] if len(run) == 1 else b"".join(run))
+                    run = []
+                    run_size = 0
+                write(buf)
+                continue
+            if run_size + size > MAX_FRAGMENT:
+                write(run[0] if len(run) == 1 else b"".join(run))
+                run = []
+                run_size = 0
+            run.append(buf)
+            run_size += size
+        if run:
+            write(run[0] if len(run) == 1 else b"".join(run))
+
+    def _write_one(self, data: Buffer) -> None:
+        if self._blocked:
+            self._blocked.append(bytes(data))
+        else:
+            self._ssl_io(_Op.WRITE, data)
+
+    def _check_writable(self) -> None:
+        state = self._state
+        if state is _OPEN and not self._shutdown_after_writes:
+            return
+        if state is _BROKEN and self._error is not None:
+            raise self._error
+        raise RuntimeError(f"TLSEngine: cannot write in state {state.name}")
+
+    def _retry_blocked_writes(self) -> None:
+        blocked = self._blocked
+        while blocked and self._state is not _BROKEN:
+            if self._ssl_io(_Op.WRITE, blocked[0]) is _AGAIN:
+                return
+            blocked.popleft()
+        if self._shutdown_after_writes and not blocked:
+            self._shutdown_after_writes = False
+            self._send_close_notify()
+
+    def data_to_send(self) -> bytes:
+        """Ciphertext waiting to be sent (empty bytes if none)."""
+        return self._outgoing.read()
+
+    # -- shutdown ------------------------------------------------------------
+
+    def start_shutdown(self) -> None:
+        """Queue our close_notify.  OPEN -> CLOSING, or -> CLOSED if the
+        peer's close_notify (or an accepted ragged EOF) already arrived.
+        Idempotent in CLOSING and CLOSED."""
+        state = self._state
+        if state is _CLOSING or state is _CLOSED:
+            return
+        if state is not _OPEN:
+            if state is _BROKEN and self._error is not None:
+                raise self._error
+            raise RuntimeError(f"TLSEngine: cannot shut down in state {state.name}")
+        if self._blocked:
+            # close_notify must follow the data that waits for a handshake.
+            self._shutdown_after_writes = True
+            return
+        self._send_close_notify()
+
+    def _send_close_notify(self) -> None:
+        # unwrap() calls SSL_shutdown twice; the second call reads from the
+        # incoming BIO and throws application data away once our
+        # close_notify is sent.  Keep what has not been read: decrypted
+        # bytes go to `_held`, ciphertext is taken out of the BIO and put
+        # back afterwards (the BIO is a FIFO, so the order is kept).
+        sslobj = self.ssl_object
+        if self._read_final is None and self._leftover_pending():
+            self._held.append(memoryview(sslobj.read(sslobj.pending())))
+        saved = self._incoming.read() if self._incoming.pending else b""
+        try:
+            result = self._ssl_io(_Op.SHUTDOWN)
+        finally:
+            if saved:
+                self._incoming.write(saved)
+        if self._state is _BROKEN:
+            return
+        if result is _AGAIN and self._read_final is None:
+            self._set_state(_CLOSING)
+        else:
+            # Both alerts are exchanged, or nothing more can arrive.
+            self._set_state(_CLOSED)
+
+    def _leftover_pending(self) -> bool:
+        return self.ssl_object.pending() > 0
+
+    # -- the SSLObject choke point ------------------------------------------
+
+    def _ssl_io(self, op: _Op, data: Buffer | None = None) -> Any:
+        """The one place that drives the SSLObject.
+
+        Returns ``_AGAIN`` where OpenSSL raised ``SSLWantReadError``; for
+        READ, the chunk, None (nothing decryptable), ``_EOF`` or ``_AGAIN``.
+        Errors are recorded (state BROKEN) and raised; for READ an error that
+        follows decrypted bytes is kept for the next call instead.
+        """
+        sslobj = self.ssl_object
+        if op is not _Op.READ:
+            try:
+                if op is _Op.WRITE:
+                    self.write_calls += 1
+                    sslobj.write(data)  # type: ignore[arg-type]
+                elif op is _Op.HANDSHAKE:
+                    sslobj.do_handshake()
+                else:
+                    sslobj.unwrap()
+            except ssl.SSLWantReadError:
+                if op is _Op.WRITE:
+                    if not self._blocked or self._blocked[0] is not data:
+                        self._blocked.append(bytes(data))  # type: ignore[arg-type]
+                return _AGAIN
+            except ssl.SSLError as exc:
+                raise self._break(exc)
+            return None
+
+        # READ: one batch, as described in the module docstring.
+        read = self._read
+        incoming = self._incoming
+        scanner = self._scanner
+        max_chunk = self._max_chunk
+        fed = scanner.fed
+        pending = incoming.pending
+        consumed = fed - pending
+        first: bytes = b""
+        buf: bytearray | None = None
+        off = 0
+        size = 0
+        calls = 0
+        try:
+            if self._leftover and sslobj.pending() == 0:
+                self._leftover = False
+            if self._leftover:
+                count = 0
+            else:
+                end, bound, count = scanner.data_run(
+                    consumed, self._empty_size, self._overhead, max_chunk
+                )
+            if count == 1:
+                # One record: let OpenSSL fill a bytes object of its size.
+                first = read(bound)
+                calls = 1
+                if not first:
+                    self._on_close_notify()
+                    return _EOF
+                pending = incoming.pending
+                if pending < fed - end:
+                    self._leftover = True  # see the over-read note below
+                self.chunks_returned += 1
+                return memoryview(first)
+            if not count:
+                # First read of any record type (handshake, alert, a record
+                # too large or too short to plan, leftover plaintext).
+                if not self._leftover and not scanner.has_complete_record(consumed):
+                    if sslobj.pending() == 0:
+                        return None
+                first = read(max_chunk)
+                calls = 1
+                if not first:
+                    self._on_close_notify()
+                    return _EOF
+                if sslobj.pending():
+                    self._leftover = True
+                    self.chunks_returned += 1
+                    return memoryview(first)
+                self._leftover = False
+                if self._tls12:
+                    self._refresh_expansion()  # a renegotiation may have ended
+                pending = incoming.pending
+                consumed = fed - pending
+                end, bound, count = scanner.data_run(
+                    consumed, self._empty_size, self._overhead, max_chunk - len(first)
+                )
+                if not count:
+                    self.chunks_returned += 1
+                    return memoryview(first)
+                off = len(first)
+                size = off + bound
+                buf = bytearray(size)
+                buf[:off] = first
+            else:
+                size = bound
+                buf = bytearray(size)
+            view = memoryview(buf)
+            stop = fed - end
+            while True:
+                n = read(size - off, view[off:])
+                calls += 1
+                if not n:
+                    self._on_close_notify()
+                    break
+                off += n
+                pending = incoming.pending
+                if pending <= stop:
+                    break
+            if pending < stop:
+                # A planned record carried no data (a TLS 1.3 session ticket
+                # or KeyUpdate), so SSL_read went on into an unplanned record
+                # that may not have fit: check pending() next time.
+                self._leftover = True
+        except ssl.SSLWantReadError:
+            self.want_read_errors += 1
+            if not off and not first:
+                # A record without data (a handshake message) was consumed;
+                # more may follow.  Without progress there is nothing left.
+                if incoming.pending < pending or self._leftover:
+                    self._leftover = False
+                    return _AGAIN
+                return None
+        except ssl.SSLZeroReturnError:
+            # close_notify after we sent ours.
+            self._on_close_notify()
+            if not off and not first:
+                return _EOF
+        except ssl.SSLError as exc:
+            self._read_final = exc
+            self._break(exc)
+            if not off and not first:
+                raise
+        finally:
+            self.read_calls += calls
+        if buf is None:
+            if not first:
+                return _AGAIN
+            self.chunks_returned += 1
+            return memoryview(first)
+        if off < size:
+            # Padding (TLS 1.3, CBC) made the plaintext shorter than planned.
+            view.release()
+            try:
+                del buf[off:]
+            except BufferError:  # pragma: no cover - a view is still alive
+                buf = bytearray(buf[:off])
+        if not off:
+            return _EOF if self._read_final is _EOF else None
+        self.chunks_returned += 1
+        return memoryview(buf).toreadonly()
+
+    # -- extra info ----------------------------------------------------------
+
+    def get_extra_info(self, name: str, default: object = None) -> object:
+        """Connection details under asyncio's SSL transport names:
+        ``peercert``, ``peercert_bin``, ``cipher``, ``compression``,
+        ``ssl_object``, ``sslcontext``, ``server_hostname``, ``tls_version``,
+        ``alpn_protocol``, ``session``, ``session_reused``."""
+        sslobj = self.ssl_object
+        if name == "ssl_object":
+            return sslobj
+        if name == "sslcontext":
+            return self._context
+        if name == "server_hostname":
+            return sslobj.server_hostname
+        if self._state is _HANDSHAKING:
+            return default
+        if name == "peercert":
+            return sslobj.getpeercert()
+        if name == "peercert_bin":
+            return sslobj.getpeercert(binary_form=True)
+        if name == "cipher":
+            return sslobj.cipher()
+        if name == "compression":
+            return sslobj.compression()
+        if name == "tls_version":
+            return sslobj.version()
+        if name == "alpn_protocol":
+            return sslobj.selected_alpn_protocol()
+        if name == "session":
+            return sslobj.session
+        if name == "session_reused":
+            return sslobj.session_reused
+        return default
