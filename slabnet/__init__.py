@@ -1,0 +1,60 @@
+"""slabnet: asyncio sockets with a shared read slab, exact-size TLS chunks,
+TLS record coalescing and a write path that allocates nothing for writes
+that complete at once.
+
+Everything public is re-exported here; the modules behind it are private.
+"""
+
+from ._errors import (
+    HandshakeTimeoutError,
+    ShutdownTimeoutError,
+    TLSRecordError,
+    TLSTruncatedError,
+)
+from ._pool import DEFAULT_POOL_SIZE, BufferPool
+from ._slab import DEFAULT_SLAB_SIZE, MemoryStats, ReadSlab, memory_stats
+from ._streams import (
+    StreamReader,
+    StreamWriter,
+    open_connection,
+    open_unix_connection,
+    start_server,
+    start_unix_server,
+)
+# TLS: see below
+from ._transport import ChunkProtocol, SlabProtocol, SlabTransport, get_pool, get_slab
+from ._write import WriteRequest
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_POOL_SIZE",
+    "DEFAULT_SLAB_SIZE",
+    "BufferPool",
+    "ChunkProtocol",
+    "HandshakeTimeoutError",
+    "MemoryStats",
+    "ReadSlab",
+    "ShutdownTimeoutError",
+    "SlabProtocol",
+    "SlabTransport",
+    "StreamReader",
+    "StreamWriter",
+    "TLSEngine",
+    "TLSRecordError",
+    "TLSState",
+    "TLSTruncatedError",
+    "WriteRequest",
+    "get_pool",
+    "get_slab",
+    "memory_stats",
+    "open_connection",
+    "open_unix_connection",
+    "start_server",
+    "start_unix_server",
+]
+
+try:  # the TLS engine lands separately; plain TCP works without it
+    from ._tls import TLSEngine, TLSState
+except ImportError:  # pragma: no cover
+    __all__ = [n for n in __all__ if n not in ("TLSEngine", "TLSState")]

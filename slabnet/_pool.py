@@ -1,0 +1,120 @@
+"""A pool for small allocations (seed 004).
+
+Theory of operation
+-------------------
+Node's ``Buffer.allocUnsafe`` carves small buffers out of a shared pool
+instead of asking the allocator for each one; a request is small when
+``size < poolSize >>> 1`` (strictly), and the pool grew from 8 KiB to 64 KiB
+so that allocations up to 32 KiB -- HTTP frames, stream chunks, the 4 KiB
+page size itself -- are covered (seed 004 measured +10 to +26 % for 4 to
+16 KiB).
+
+slabnet uses the same rule for the write path: a small write is copied into
+pooled space, so that all the small writes of one loop iteration sit in a
+few contiguous regions and go out with one ``sendmsg``. Offsets are rounded
+up to 8 bytes, as Node's pool aligns them, so a view handed out can be
+reinterpreted with any native width.
+
+A region is a writable ``memoryview`` of the pool; the pool itself is
+forgotten when exhausted and freed with the last region. When a pool is
+exhausted and none of its regions is alive any more, it is rewound and
+reused instead of reallocated (the same reference-count test as the read
+slab uses), so a steady stream of small writes allocates nothing.
+
+This module is sans-IO.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from ._slab import _live_views, _Slab
+
+__all__ = ["DEFAULT_POOL_SIZE", "BufferPool"]
+
+#: seed 004: Node's Buffer.poolSize default since it was raised from 8 KiB.
+DEFAULT_POOL_SIZE: Final = 65536
+
+#: Node aligns pool offsets to 8 bytes (alignPool in lib/buffer.js).
+_ALIGN: Final = 8
+
+
+class BufferPool:
+    """Carves small buffers out of shared ``pool_size`` pools."""
+
+    __slots__ = ("_pool_size", "_pool", "_offset", "pools_allocated", "pools_reused")
+
+    def __init__(self, pool_size: int = DEFAULT_POOL_SIZE) -> None:
+        self._pool_size = 0
+        self._pool: _Slab | None = None
+        self._offset = 0
+        self.pools_allocated = 0
+        self.pools_reused = 0
+        self.pool_size = pool_size
+
+    @property
+    def pool_size(self) -> int:
+        """Size of each pool; allocations below half of it are pooled."""
+        return self._pool_size
+
+    @pool_size.setter
+    def pool_size(self, value: int) -> None:
+        if not isinstance(value, int) or value < 2 * _ALIGN:
+            raise ValueError(f"pool_size must be an int >= {2 * _ALIGN}, got {value!r}")
+        if value != self._pool_size:
+            # Like assigning Buffer.poolSize: takes effect with the next pool.
+            self._pool_size = value
+            self._pool = None
+            self._offset = 0
+
+    @property
+    def small_limit(self) -> int:
+        """Allocations strictly below this many bytes come from the pool."""
+        return self._pool_size >> 1
+
+    def is_small(self, nbytes: int) -> bool:
+        return nbytes < self._pool_size >> 1
+
+    def alloc(self, nbytes: int) -> memoryview:
+        """Return a writable buffer of exactly ``nbytes`` bytes.
+
+        Pooled when ``nbytes < pool_size >> 1``; a buffer of its own
+        otherwise. The contents are unspecified (like ``allocUnsafe``).
+        """
+        if nbytes < 0:
+            raise ValueError(f"cannot allocate {nbytes} bytes")
+        if nbytes >= self._pool_size >> 1:
+            return memoryview(bytearray(nbytes))
+        pool = self._pool
+        off = self._offset
+        if pool is None or off + nbytes > self._pool_size:
+            pool = self._new_pool()
+            off = 0
+        end = off + nbytes
+        self._offset = (end + _ALIGN - 1) & -_ALIGN
+        return memoryview(pool)[off:end]
+
+    def _new_pool(self) -> _Slab:
+        old = self._pool
+        if old is not None and len(old) == self._pool_size:
+            # Reuse the exhausted pool if no region of it is alive. ``old`` is
+            # the local _live_views expects; self._pool is one extra reference.
+            if _live_views(old, 1) == 0:
+                self.pools_reused += 1
+                self._offset = 0
+                return old
+        del old
+        pool = _Slab(self._pool_size)
+        pool.cached = 0
+        self._pool = pool
+        self._offset = 0
+        self.pools_allocated += 1
+        return pool
+
+    @property
+    def offset(self) -> int:
+        """Where the next pooled allocation starts in the current pool."""
+        return self._offset
+
+    def __repr__(self) -> str:
+        return f"<BufferPool pool_size={self._pool_size} offset={self._offset}>"

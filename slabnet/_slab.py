@@ -1,0 +1,308 @@
+"""The per-loop read slab.
+
+Theory of operation
+-------------------
+A plain TCP read asks for a buffer before it knows how many bytes will
+arrive: asyncio's selector loop calls ``BufferedProtocol.get_buffer(-1)`` and
+uvloop passes libuv's suggestion of 65536. Giving every read a fresh 64 KiB
+``bytearray`` costs an allocation and a 64 KiB memset per read, and then a
+copy into an exact-size ``bytes`` when the read came back short. Node.js
+removed that cost (seed 002) with a shared slab:
+
+* a read whose suggested size is at least the slab size reserves that many
+  bytes from the current slab (a fresh or recycled slab when the current one
+  lacks room);
+* when the read returns, ``commit`` hands out a read-only ``memoryview`` of
+  the bytes that arrived and advances the slab -- zero copies after the
+  kernel's -- *unless* the read used less than three quarters of its
+  reservation: then the bytes are copied into an exact-size ``bytes`` and the
+  slab is rewound, so a trickle of small reads never pins a slab.
+
+Seed 000 adds the other half: a read suggested *smaller* than the slab (every
+TLS record is one) gets its own exact-size buffer, so that one chunk kept for
+seconds pins only itself, never 64 KiB plus its neighbours.
+
+Liveness. A slab region must never be written while a view of it is alive.
+Every ``memoryview`` made from a ``bytearray`` goes through one managed
+buffer object that holds a strong reference to the ``bytearray``; views
+sliced from it share that managed buffer, and anything that exports a buffer
+from a view (``numpy.frombuffer``, another ``memoryview``) keeps the view and
+so the managed buffer alive. The slab's reference count above a calibrated
+baseline is therefore exactly the number of live view families, with no
+per-chunk bookkeeping on the hot path. A slab with no live views is recycled
+instead of reallocated; a slab pinned by the user is forgotten by the
+``ReadSlab`` once it is no longer among the few it caches and is freed by the
+garbage collector with the last view.
+
+Accounting. ``memory_stats()`` reports what is really pinned: a slab with any
+live view counts in full, because CPython cannot free part of a ``bytearray``
+that has exports. Bytes referenced by live chunks are tracked with one weak
+reference per zero-copy chunk (one per 48 KiB or more of data), so the report
+can show pinned-but-unused bytes next to them.
+
+This module is sans-IO: it never touches a socket or an event loop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import weakref
+from typing import Final
+
+__all__ = ["DEFAULT_SLAB_SIZE", "MemoryStats", "ReadSlab", "memory_stats"]
+
+#: Node's StreamReadSlab size (seed 002) and libuv's suggested read size; a
+#: selector-loop read (``get_buffer(-1)``) counts as a read of this size.
+DEFAULT_SLAB_SIZE: Final = 65536
+
+#: How many recyclable slabs a ReadSlab keeps. A consumer iterating chunks
+#: holds the previous chunk while the next read lands, and a stream reader may
+#: queue up to twice its limit (128 KiB by default), so four slabs cover the
+#: steady state of both without allocating; more would only hold idle memory.
+_SLAB_CACHE: Final = 4
+
+
+class _Slab(bytearray):
+    """A slab: a ``bytearray`` that can be weakly referenced for accounting."""
+
+    __slots__ = ("__weakref__", "cached", "chunks")
+
+    cached: int  # 1 while a ReadSlab holds it in its cache, else 0
+    chunks: list[tuple[weakref.ref[memoryview], int]]
+
+
+def _live_views(slab: _Slab, extra_refs: int) -> int:
+    """Live view families of ``slab``, called with the slab in one local.
+
+    ``extra_refs``: references the caller holds beyond that local.
+    """
+    return sys.getrefcount(slab) - _BASE_REFS - slab.cached - extra_refs
+
+
+def _calibrate() -> int:
+    slab = _Slab(1)
+    slab.cached = 0
+    return _live_views(slab, 0)
+
+
+# Calibrated once, through the same call path: the count of a slab that no
+# view references and that the caller holds in one local variable.
+_BASE_REFS = 0
+_BASE_REFS = _calibrate()
+
+# Every slab alive in the process, by id. (A WeakSet would hash the
+# bytearray's contents.)
+_all_slabs: dict[int, weakref.ref[_Slab]] = {}
+
+
+def _track(slab: _Slab) -> None:
+    key = id(slab)
+    _all_slabs[key] = weakref.ref(slab, lambda _ref: _all_slabs.pop(key, None))
+
+
+class _Counters:
+    __slots__ = (
+        "reads",
+        "zero_copy",
+        "copies",
+        "bytes_copied",
+        "own_buffers",
+        "own_buffer_bytes",
+        "slabs_allocated",
+        "slabs_recycled",
+    )
+
+    def __init__(self) -> None:
+        self.reads = 0
+        self.zero_copy = 0
+        self.copies = 0
+        self.bytes_copied = 0
+        self.own_buffers = 0
+        self.own_buffer_bytes = 0
+        self.slabs_allocated = 0
+        self.slabs_recycled = 0
+
+
+_counters = _Counters()
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryStats:
+    """Read-buffer memory of this process, as ``memory_stats()`` found it.
+
+    Byte counts are buffer sizes, not including the few dozen bytes of each
+    Python object header.
+    """
+
+    #: slabs alive in the process (cached for reuse or pinned by views)
+    slabs_live: int
+    #: bytes held by those slabs
+    slab_bytes: int
+    #: bytes of slabs that have at least one live view: really pinned memory
+    pinned_bytes: int
+    #: bytes of zero-copy chunks still referenced by the application
+    chunk_bytes_live: int
+    #: pinned bytes not covered by a live chunk (slab space kept alive only
+    #: because a neighbour is)
+    pinned_unused_bytes: int
+    #: bytes of slabs with no live view, kept for reuse
+    idle_bytes: int
+    #: reads committed since start
+    reads: int
+    #: reads handed out as zero-copy slab views
+    zero_copy_reads: int
+    #: reads copied out because they wasted more than 1/4 of their reservation
+    copies: int
+    bytes_copied: int
+    #: reads that got their own buffer (suggested size below the slab size)
+    own_buffers: int
+    own_buffer_bytes: int
+    slabs_allocated: int
+    slabs_recycled: int
+
+
+def memory_stats() -> MemoryStats:
+    """Account for every slab in the process (all loops, all threads)."""
+    slab_bytes = pinned = live_chunks = idle = 0
+    slabs = [s for s in (ref() for ref in list(_all_slabs.values())) if s is not None]
+    for slab in slabs:
+        size = len(slab)
+        slab_bytes += size
+        # +1: the ``slabs`` list holds the slab too.
+        if _live_views(slab, 1) > 0:
+            pinned += size
+            for ref, length in slab.chunks:
+                if ref() is not None:
+                    live_chunks += length
+        else:
+            idle += size
+    del slabs, slab
+    c = _counters
+    return MemoryStats(
+        slabs_live=len(_all_slabs),
+        slab_bytes=slab_bytes,
+        pinned_bytes=pinned,
+        chunk_bytes_live=live_chunks,
+        pinned_unused_bytes=pinned - live_chunks,
+        idle_bytes=idle,
+        reads=c.reads,
+        zero_copy_reads=c.zero_copy,
+        copies=c.copies,
+        bytes_copied=c.bytes_copied,
+        own_buffers=c.own_buffers,
+        own_buffer_bytes=c.own_buffer_bytes,
+        slabs_allocated=c.slabs_allocated,
+        slabs_recycled=c.slabs_recycled,
+    )
+
+
+class ReadSlab:
+    """One per event loop, shared by every connection on it.
+
+    Call order for each read: ``reserve(hint)`` returns a writable view to
+    read into; then either ``commit(nbytes)`` with ``nbytes > 0``, which returns
+    the chunk, or nothing at all (the read failed or hit EOF: the reservation
+    is simply abandoned, and the next ``reserve`` starts over).
+    """
+
+    __slots__ = ("size", "_slabs", "_cur", "_offset", "_reserved", "_own")
+
+    def __init__(self, size: int = DEFAULT_SLAB_SIZE) -> None:
+        if size <= 0:
+            raise ValueError(f"slab size must be positive, got {size}")
+        self.size: Final = size
+        self._slabs: list[_Slab] = []  # cached slabs; _slabs[_cur] is current
+        self._cur = -1
+        self._offset = 0
+        self._reserved = 0  # size of the pending reservation, 0 if none
+        # The pending reservation's own buffer, or None for a slab region.
+        # A slab region is not referenced here: an abandoned reservation
+        # (the read failed or hit EOF) must not pin the slab.
+        self._own: bytearray | None = None
+
+    def reserve(self, hint: int) -> memoryview:
+        """Return a writable buffer of at least one byte for the next read."""
+        if hint < 0:
+            hint = DEFAULT_SLAB_SIZE
+        elif hint == 0:
+            hint = 1
+        self._reserved = hint
+        if hint != self.size:
+            # Seed 000: a read suggested smaller than the slab owns its
+            # buffer; so does one larger than any slab. Same waste rule.
+            self._own = own = bytearray(hint)
+            return memoryview(own)
+        self._own = None
+        if self._cur < 0 or self._offset + hint > self.size:
+            self._next_slab()
+        off = self._offset
+        return memoryview(self._slabs[self._cur])[off : off + hint]
+
+    def commit(self, nbytes: int) -> memoryview:
+        """Turn the first ``nbytes`` of the reservation into a read-only chunk."""
+        reserved = self._reserved
+        if not 0 < nbytes <= reserved:
+            if not reserved:
+                raise RuntimeError("commit() without a pending reserve()")
+            raise ValueError(f"committed {nbytes} bytes of a {reserved}-byte reservation")
+        self._reserved = 0
+        own = self._own
+        c = _counters
+        c.reads += 1
+        if own is not None:
+            self._own = None
+            if nbytes * 4 < reserved * 3:
+                c.copies += 1
+                c.bytes_copied += nbytes
+                return memoryview(bytes(memoryview(own)[:nbytes]))
+            c.own_buffers += 1
+            c.own_buffer_bytes += reserved
+            return memoryview(own)[:nbytes].toreadonly()
+        slab = self._slabs[self._cur]
+        off = self._offset
+        if nbytes * 4 < reserved * 3:
+            # Wastes more than a quarter: copy out, keep the slab position.
+            c.copies += 1
+            c.bytes_copied += nbytes
+            return memoryview(bytes(memoryview(slab)[off : off + nbytes]))
+        c.zero_copy += 1
+        chunk = memoryview(slab)[off : off + nbytes].toreadonly()
+        slab.chunks.append((weakref.ref(chunk), nbytes))
+        self._offset = off + nbytes
+        return chunk
+
+    def _next_slab(self) -> None:
+        slabs = self._slabs
+        cur = self._cur
+        for i in range(len(slabs)):
+            # Not enumerate(): its reused result tuple would hold one more
+            # reference. ``slab`` is the one local that _BASE_REFS counts.
+            slab = slabs[i]
+            if i != cur and _live_views(slab, 0) == 0:
+                slab.chunks.clear()
+                _counters.slabs_recycled += 1
+                self._cur = i
+                self._offset = 0
+                return
+            del slab
+        new = _Slab(self.size)
+        new.chunks = []
+        new.cached = 1
+        _track(new)
+        _counters.slabs_allocated += 1
+        if len(slabs) >= _SLAB_CACHE:
+            # Forget the oldest slab other than the current one; its views
+            # keep it alive as long as the application holds them.
+            drop = 0 if cur != 0 else 1
+            slabs[drop].cached = 0
+            del slabs[drop]
+        slabs.append(new)
+        self._cur = len(slabs) - 1
+        self._offset = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<ReadSlab size={self.size} cached={len(self._slabs)}"
+            f" offset={self._offset}>"
+        )

@@ -1,0 +1,826 @@
+"""asyncio-compatible streams over slabnet transports.
+
+Theory of operation
+-------------------
+asyncio's ``StreamReader`` keeps one ``bytearray``: every read is copied into
+it (``extend``), every ``read``/``readexactly`` copies out of it again and
+shifts the rest (``del buf[:n]``). slabnet's reader keeps the chunks it was
+given -- views of the loop's read slab, or TLS chunks that own their bytes --
+in a deque, with an offset into the first one:
+
+* ``read_chunk()`` / ``chunks()`` hand those views on: no copy at all;
+* ``read(n)``, ``readexactly``, ``readuntil`` and ``readline`` build their
+  ``bytes`` result with one ``b"".join`` of views, so each byte is copied at
+  most once after the kernel's copy;
+* ``readinto(buf)`` copies straight into the caller's buffer.
+
+Searching for a separator uses ``re`` on the views (``re`` accepts any
+buffer), so nothing is copied to search either; only a separator that
+straddles two chunks is looked for in a small joined window.
+
+Errors and EOF never overtake data: a reader whose connection broke hands
+out every byte that arrived before the error, then raises it. (asyncio
+raises a stored exception at once, even with data buffered.)
+
+Flow control matches asyncio: reading pauses when more than twice ``limit``
+bytes are buffered and resumes at ``limit`` or below.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import re
+import ssl as _ssl
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from typing import Any, Final, cast
+
+from ._transport import ChunkProtocol, SlabProtocol, SlabTransport
+from ._write import WriteRequest
+
+__all__ = [
+    "StreamReader",
+    "StreamWriter",
+    "open_connection",
+    "open_unix_connection",
+    "start_server",
+    "start_unix_server",
+]
+
+#: asyncio.streams._DEFAULT_LIMIT: 64 KiB.
+_DEFAULT_LIMIT: Final = 2**16
+
+_EMPTY: Final = memoryview(b"")
+
+ClientConnectedCallback = Callable[
+    ["StreamReader", "StreamWriter"], "Awaitable[None] | None"
+]
+
+
+class StreamReader:
+    """A drop-in for ``asyncio.StreamReader`` with zero-copy chunk reads."""
+
+    def __init__(
+        self, limit: int = _DEFAULT_LIMIT, loop: asyncio.AbstractEventLoop | None = None
+    ) -> None:
+        if limit <= 0:
+            raise ValueError("Limit cannot be <= 0")
+        self._limit = limit
+        self._loop = loop or asyncio.get_event_loop()
+        self._chunks: collections.deque[memoryview] = collections.deque()
+        self._pos = 0  # bytes of _chunks[0] already consumed
+        self._size = 0  # buffered bytes not yet consumed
+        self._eof = False
+        self._exception: BaseException | None = None
+        self._waiter: asyncio.Future[None] | None = None
+        self._transport: asyncio.BaseTransport | None = None
+        self._paused = False
+
+    def __repr__(self) -> str:
+        info = ["StreamReader"]
+        if self._size:
+            info.append(f"{self._size} bytes in {len(self._chunks)} chunks")
+        if self._eof:
+            info.append("eof")
+        if self._limit != _DEFAULT_LIMIT:
+            info.append(f"limit={self._limit}")
+        if self._exception:
+            info.append(f"exception={self._exception!r}")
+        if self._paused:
+            info.append("paused")
+        return f"<{' '.join(info)}>"
+
+    @property
+    def limit(self) -> int:
+        return self._limit
+
+    # ------------------------------------------------ feeding (protocol side)
+
+    def exception(self) -> BaseException | None:
+        return self._exception
+
+    def set_exception(self, exc: BaseException) -> None:
+        self._exception = exc
+        self._wakeup_waiter()
+
+    def set_transport(self, transport: asyncio.BaseTransport) -> None:
+        if self._transport is not None:
+            raise AssertionError("Transport already set")
+        self._transport = transport
+
+    def feed_eof(self) -> None:
+        self._eof = True
+        self._wakeup_waiter()
+
+    def at_eof(self) -> bool:
+        """True if the buffer is empty and EOF was received."""
+        return self._eof and not self._size
+
+    def feed_data(self, data: bytes | bytearray | memoryview) -> None:
+        """asyncio-compatible: queue a copy of ``data``."""
+        if self._eof:
+            raise AssertionError("feed_data after feed_eof")
+        if data:
+            self._feed_chunk(memoryview(bytes(data)))
+
+    def _feed_chunk(self, chunk: memoryview) -> None:
+        # The hot path: the transport calls this for every chunk.
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+        if self._size > 2 * self._limit and not self._paused:
+            transport = self._transport
+            if transport is not None:
+                try:
+                    transport.pause_reading()  # type: ignore[attr-defined]
+                except NotImplementedError:
+                    self._transport = None
+                else:
+                    self._paused = True
+
+    def _wakeup_waiter(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _maybe_resume(self) -> None:
+        if self._paused and self._size <= self._limit:
+            self._paused = False
+            self._transport.resume_reading()  # type: ignore[union-attr]
+
+    async def _wait_for_data(self, func_name: str) -> None:
+        if self._waiter is not None:
+            raise RuntimeError(
+                f"{func_name}() called while another coroutine is "
+                f"already waiting for incoming data"
+            )
+        assert not self._eof, "_wait_for_data after EOF"
+        if self._paused:
+            self._paused = False
+            self._transport.resume_reading()  # type: ignore[union-attr]
+        self._waiter = self._loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    def _raise_if_done(self) -> bool:
+        """With nothing buffered: raise the stored error, or report EOF."""
+        if self._exception is not None:
+            raise self._exception
+        return self._eof
+
+    # ------------------------------------------------ buffer primitives
+
+    def _take(self, n: int) -> bytes:
+        """Remove ``n`` buffered bytes and return them, copied once."""
+        chunks = self._chunks
+        pos = self._pos
+        first = chunks[0]
+        avail = len(first) - pos
+        if n <= avail:
+            data = first[pos : pos + n].tobytes()
+            if n == avail:
+                chunks.popleft()
+                self._pos = 0
+            else:
+                self._pos = pos + n
+            self._size -= n
+            return data
+        parts = [first[pos:]]
+        chunks.popleft()
+        need = n - avail
+        while need:
+            head = chunks[0]
+            size = len(head)
+            if size <= need:
+                parts.append(head)
+                chunks.popleft()
+                need -= size
+            else:
+                parts.append(head[:need])
+                self._pos = need
+                break
+        else:
+            self._pos = 0
+        self._size -= n
+        return b"".join(parts)
+
+    def _take_chunk(self) -> memoryview:
+        chunk = self._chunks.popleft()
+        if self._pos:
+            chunk = chunk[self._pos :]
+            self._pos = 0
+        self._size -= len(chunk)
+        return chunk
+
+    def _find(self, sep: bytes, start: int) -> int:
+        """Index of ``sep`` in the buffer at or after ``start``, or -1."""
+        seplen = len(sep)
+        pattern = _literal(sep)
+        base = -self._pos  # buffer offset of the current chunk's byte 0
+        tail = b""  # last seplen-1 bytes before the current chunk
+        for chunk in self._chunks:
+            size = len(chunk)
+            end = base + size
+            if end > start:
+                lo = max(start - base, self._pos if base < 0 else 0)
+                if tail and seplen > 1:
+                    window = tail + chunk[: seplen - 1].tobytes()
+                    i = window.find(sep)
+                    if i != -1 and base - len(tail) + i >= start:
+                        return base - len(tail) + i
+                m = pattern.search(chunk, lo)
+                if m is not None:
+                    return base + m.start()
+            if seplen > 1:
+                keep = min(size, seplen - 1)
+                tail = (tail + chunk[size - keep :].tobytes())[-(seplen - 1) :]
+            base = end
+        return -1
+
+    # ------------------------------------------------ zero-copy API
+
+    async def read_chunk(self) -> memoryview:
+        """The next chunk as a read-only ``memoryview``; empty at EOF."""
+        if not self._size:
+            if self._raise_if_done():
+                return _EMPTY
+            await self._wait_for_data("read_chunk")
+            if not self._size:
+                if self._raise_if_done():
+                    return _EMPTY
+        chunk = self._take_chunk()
+        if self._paused:
+            self._maybe_resume()
+        return chunk
+
+    def chunks(self) -> AsyncIterator[memoryview]:
+        """``async for chunk in reader.chunks()``: chunks until EOF."""
+        return _ChunkIterator(self)
+
+    async def readinto(self, buf: Any) -> int:
+        """Copy up to ``len(buf)`` bytes into ``buf``; 0 at EOF."""
+        dest = memoryview(buf).cast("B")
+        want = len(dest)
+        if not want:
+            return 0
+        if not self._size:
+            if self._raise_if_done():
+                return 0
+            await self._wait_for_data("readinto")
+            if not self._size and self._raise_if_done():
+                return 0
+        got = 0
+        chunks = self._chunks
+        while got < want and chunks:
+            first = chunks[0]
+            pos = self._pos
+            n = min(len(first) - pos, want - got)
+            dest[got : got + n] = first[pos : pos + n]
+            got += n
+            if pos + n == len(first):
+                chunks.popleft()
+                self._pos = 0
+            else:
+                self._pos = pos + n
+        self._size -= got
+        self._maybe_resume()
+        return got
+
+    # ------------------------------------------------ asyncio API
+
+    async def read(self, n: int = -1) -> bytes:
+        if n == 0:
+            return b""
+        if n < 0:
+            parts = []
+            while True:
+                chunk = await self.read_chunk()
+                if not chunk:
+                    break
+                parts.append(chunk)
+            return b"".join(parts)
+        if not self._size:
+            if self._raise_if_done():
+                return b""
+            await self._wait_for_data("read")
+            if not self._size and self._raise_if_done():
+                return b""
+        data = self._take(min(n, self._size))
+        self._maybe_resume()
+        return data
+
+    async def readexactly(self, n: int) -> bytes:
+        if n < 0:
+            raise ValueError("readexactly size can not be less than zero")
+        if n == 0:
+            return b""
+        while self._size < n:
+            if self._eof or (self._exception is not None):
+                if self._exception is not None and not self._eof:
+                    if not self._size:
+                        raise self._exception
+                incomplete = self._take(self._size) if self._size else b""
+                if self._exception is not None and not incomplete:
+                    raise self._exception
+                raise asyncio.IncompleteReadError(incomplete, n)
+            await self._wait_for_data("readexactly")
+        data = self._take(n)
+        self._maybe_resume()
+        return data
+
+    async def readline(self) -> bytes:
+        sep = b"\n"
+        try:
+            line = await self.readuntil(sep)
+        except asyncio.IncompleteReadError as e:
+            return e.partial
+        except asyncio.LimitOverrunError as e:
+            if self._find(sep, e.consumed) == e.consumed:
+                self._discard(e.consumed + len(sep))
+            else:
+                self._discard(self._size)
+            self._maybe_resume()
+            raise ValueError(e.args[0])
+        return line
+
+    def _discard(self, n: int) -> None:
+        if n:
+            self._take(n)
+
+    async def readuntil(self, separator: bytes | tuple[bytes, ...] = b"\n") -> bytes:
+        if isinstance(separator, tuple):
+            if sys.version_info < (3, 13):
+                raise TypeError("a tuple of separators needs Python 3.13 (as asyncio)")
+            seps = sorted(separator, key=len)
+            if not seps:
+                raise ValueError("Separator should contain at least one element")
+        else:
+            seps = [separator]
+        if not seps[0]:
+            raise ValueError("Separator should be at least one-byte string")
+        min_len = len(seps[0])
+        max_len = len(seps[-1])
+        offset = 0
+        while True:
+            if self._size - offset >= min_len:
+                match_end = -1
+                match_at = -1
+                for sep in seps:
+                    i = self._find(sep, offset)
+                    if i != -1 and (match_end == -1 or i + len(sep) < match_end):
+                        match_end = i + len(sep)
+                        match_at = i
+                if match_end != -1:
+                    break
+                offset = max(0, self._size + 1 - max_len)
+                if offset > self._limit:
+                    raise asyncio.LimitOverrunError(
+                        "Separator is not found, and chunk exceed the limit", offset
+                    )
+            if self._eof or self._exception is not None:
+                if not self._size and self._exception is not None:
+                    raise self._exception
+                chunk = self._take(self._size) if self._size else b""
+                raise asyncio.IncompleteReadError(chunk, None)
+            await self._wait_for_data("readuntil")
+        if match_at > self._limit:
+            raise asyncio.LimitOverrunError(
+                "Separator is found, but chunk is longer than limit", match_at
+            )
+        data = self._take(match_end)
+        self._maybe_resume()
+        return data
+
+    def __aiter__(self) -> StreamReader:
+        return self
+
+    async def __anext__(self) -> bytes:
+        val = await self.readline()
+        if val == b"":
+            raise StopAsyncIteration
+        return val
+
+
+class _ChunkIterator:
+    __slots__ = ("_reader",)
+
+    def __init__(self, reader: StreamReader) -> None:
+        self._reader = reader
+
+    def __aiter__(self) -> _ChunkIterator:
+        return self
+
+    async def __anext__(self) -> memoryview:
+        reader = self._reader
+        if reader._size:
+            chunk = reader._take_chunk()
+            if reader._paused:
+                reader._maybe_resume()
+            return chunk
+        chunk = await reader.read_chunk()
+        if not chunk:
+            raise StopAsyncIteration
+        return chunk
+
+
+_patterns: dict[bytes, re.Pattern[bytes]] = {}
+
+
+def _literal(sep: bytes) -> re.Pattern[bytes]:
+    pat = _patterns.get(sep)
+    if pat is None:
+        if len(_patterns) > 256:
+            _patterns.clear()
+        pat = _patterns[sep] = re.compile(re.escape(sep))
+    return pat
+
+
+# -------------------------------------------------------------------- protocol
+
+
+class _StreamProtocol(ChunkProtocol):
+    """Feeds a StreamReader; the asyncio StreamReaderProtocol's counterpart."""
+
+    def __init__(
+        self,
+        reader: StreamReader,
+        client_connected_cb: ClientConnectedCallback | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        self._loop = loop or asyncio.get_event_loop()
+        self._reader: StreamReader | None = reader
+        # The transport calls reader._feed_chunk directly: no extra frame.
+        self.chunk_received = reader._feed_chunk  # type: ignore[method-assign]
+        self._client_connected_cb = client_connected_cb
+        self._transport: SlabTransport | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._closed = self._loop.create_future()
+        self._paused = False
+        self._drain_waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._connection_lost = False
+        self._over_ssl = False
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport = cast(SlabTransport, transport)
+        reader = self._reader
+        assert reader is not None
+        if self._transport is not None:
+            return  # a STARTTLS upgrade finished: same connection
+        self._transport = transport
+        reader.set_transport(transport)
+        self._over_ssl = transport.get_extra_info("sslcontext") is not None
+        if self._client_connected_cb is not None:
+            writer = StreamWriter(transport, self, reader, self._loop)
+            res = self._client_connected_cb(reader, writer)
+            if asyncio.iscoroutine(res):
+                self._task = self._loop.create_task(res)
+                self._task.add_done_callback(self._on_cb_done)
+
+    def _on_cb_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            if self._transport is not None:
+                self._transport.close()
+            return
+        exc = task.exception()
+        if exc is not None:
+            self._loop.call_exception_handler({
+                "message": "Unhandled exception in client_connected_cb",
+                "exception": exc,
+                "transport": self._transport,
+            })
+            if self._transport is not None:
+                self._transport.close()
+
+    def eof_received(self) -> bool:
+        if self._reader is not None:
+            self._reader.feed_eof()
+        return not self._over_ssl
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        reader = self._reader
+        if reader is not None:
+            if exc is None:
+                reader.feed_eof()
+            else:
+                reader.set_exception(exc)
+        if not self._closed.done():
+            if exc is None:
+                self._closed.set_result(None)
+            else:
+                self._closed.set_exception(exc)
+                self._closed.exception()  # mark retrieved, as asyncio does
+        self._connection_lost = True
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                if exc is None:
+                    waiter.set_result(None)
+                else:
+                    waiter.set_exception(exc)
+        self._drain_waiters.clear()
+        self._task = None
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        for waiter in self._drain_waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _drain_helper(self) -> None:
+        if self._connection_lost:
+            raise ConnectionResetError("Connection lost")
+        if not self._paused:
+            return
+        waiter = self._loop.create_future()
+        self._drain_waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            self._drain_waiters.remove(waiter)
+
+    def _get_close_waiter(self) -> asyncio.Future[None]:
+        return self._closed
+
+
+class StreamWriter:
+    """A drop-in for ``asyncio.StreamWriter``.
+
+    ``write`` and ``writelines`` return ``None`` when the bytes were accepted
+    at once, or a ``slabnet.WriteRequest`` to await when they had to queue.
+    """
+
+    def __init__(
+        self,
+        transport: SlabTransport,
+        protocol: _StreamProtocol,
+        reader: StreamReader | None,
+        loop: asyncio.AbstractEventLoop,
+    ) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        self._reader = reader
+        self._loop = loop
+        self._complete_fut = loop.create_future()
+        self._complete_fut.set_result(None)
+        # Bound once: write() is the hot path.
+        self.write = transport.write  # type: ignore[method-assign]
+        self.writelines = transport.writelines  # type: ignore[method-assign]
+
+    def __repr__(self) -> str:
+        info = [self.__class__.__name__, f"transport={self._transport!r}"]
+        if self._reader is not None:
+            info.append(f"reader={self._reader!r}")
+        return f"<{' '.join(info)}>"
+
+    @property
+    def transport(self) -> SlabTransport:
+        return self._transport
+
+    def write(self, data: bytes | bytearray | memoryview) -> WriteRequest | None:
+        return self._transport.write(data)
+
+    def writelines(self, data: Iterable[bytes | bytearray | memoryview]) -> WriteRequest | None:
+        return self._transport.writelines(data)
+
+    def write_eof(self) -> None:
+        return self._transport.write_eof()
+
+    def can_write_eof(self) -> bool:
+        return self._transport.can_write_eof()
+
+    def close(self) -> None:
+        self._transport.close()
+
+    def is_closing(self) -> bool:
+        return self._transport.is_closing()
+
+    async def wait_closed(self) -> None:
+        await self._protocol._get_close_waiter()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self._transport.get_extra_info(name, default)
+
+    async def drain(self) -> None:
+        if self._reader is not None:
+            exc = self._reader.exception()
+            if exc is not None:
+                raise exc
+        if self._transport.is_closing():
+            # Let connection_lost run first, as asyncio does.
+            await asyncio.sleep(0)
+        await self._protocol._drain_helper()
+
+    async def start_tls(
+        self,
+        sslcontext: _ssl.SSLContext,
+        *,
+        server_hostname: str | None = None,
+        ssl_handshake_timeout: float | None = None,
+        ssl_shutdown_timeout: float | None = None,
+    ) -> None:
+        """Upgrade the connection to TLS (STARTTLS), client or server side."""
+        server_side = self._protocol._client_connected_cb is not None
+        await self.drain()
+        slab_proto = self._transport._proto
+        await slab_proto.start_tls(
+            sslcontext,
+            server_side=server_side,
+            server_hostname=server_hostname,
+            ssl_handshake_timeout=ssl_handshake_timeout,
+            ssl_shutdown_timeout=ssl_shutdown_timeout,
+        )
+        self._protocol._over_ssl = True
+
+
+# -------------------------------------------------------------------- openers
+
+
+def _ssl_args(
+    ssl: _ssl.SSLContext | bool | None,
+    server_side: bool,
+    host: str | None,
+    server_hostname: str | None,
+    ssl_handshake_timeout: float | None,
+    ssl_shutdown_timeout: float | None,
+) -> tuple[_ssl.SSLContext | None, str | None]:
+    if not ssl:
+        if server_hostname is not None:
+            raise ValueError("server_hostname is only meaningful with ssl")
+        if ssl_handshake_timeout is not None:
+            raise ValueError("ssl_handshake_timeout is only meaningful with ssl")
+        if ssl_shutdown_timeout is not None:
+            raise ValueError("ssl_shutdown_timeout is only meaningful with ssl")
+        return None, None
+    if ssl is True:
+        if server_side:
+            raise ValueError("start_server(ssl=True) needs an SSLContext with a certificate")
+        ctx = _ssl.create_default_context()
+    elif isinstance(ssl, _ssl.SSLContext):
+        ctx = ssl
+    else:
+        raise TypeError(f"ssl must be an ssl.SSLContext, True or None, not {type(ssl).__name__}")
+    if server_side:
+        return ctx, None
+    if server_hostname is None:
+        if not host and ctx.check_hostname:
+            raise ValueError("You must set server_hostname when using ssl without a host")
+        server_hostname = host
+    return ctx, server_hostname or None
+
+
+async def _connect(
+    create: Callable[..., Awaitable[tuple[asyncio.BaseTransport, Any]]],
+    address: tuple[Any, ...],
+    host: str | None,
+    limit: int,
+    ssl: _ssl.SSLContext | bool | None,
+    server_hostname: str | None,
+    ssl_handshake_timeout: float | None,
+    ssl_shutdown_timeout: float | None,
+    ssl_ragged_eof: bool,
+    ssl_session: _ssl.SSLSession | None,
+    kwds: dict[str, Any],
+) -> tuple[StreamReader, StreamWriter]:
+    loop = asyncio.get_running_loop()
+    ctx, hostname = _ssl_args(
+        ssl, False, host, server_hostname, ssl_handshake_timeout, ssl_shutdown_timeout
+    )
+    reader = StreamReader(limit=limit, loop=loop)
+    protocol = _StreamProtocol(reader, loop=loop)
+    waiter: asyncio.Future[None] = loop.create_future()
+
+    def factory() -> SlabProtocol:
+        return SlabProtocol(
+            protocol, loop=loop, ssl=ctx, server_side=False, server_hostname=hostname,
+            ssl_handshake_timeout=ssl_handshake_timeout,
+            ssl_shutdown_timeout=ssl_shutdown_timeout,
+            ssl_ragged_eof=ssl_ragged_eof, ssl_session=ssl_session,
+            handshake_waiter=waiter,
+        )
+
+    raw, _ = await create(factory, *address, **kwds)
+    try:
+        await waiter
+    except BaseException:
+        raw.abort()  # type: ignore[attr-defined]
+        raise
+    transport = protocol._transport
+    assert transport is not None
+    return reader, StreamWriter(transport, protocol, reader, loop)
+
+
+async def open_connection(
+    host: str | None = None,
+    port: int | str | None = None,
+    *,
+    limit: int = _DEFAULT_LIMIT,
+    ssl: _ssl.SSLContext | bool | None = None,
+    server_hostname: str | None = None,
+    ssl_handshake_timeout: float | None = None,
+    ssl_shutdown_timeout: float | None = None,
+    ssl_ragged_eof: bool = False,
+    ssl_session: _ssl.SSLSession | None = None,
+    **kwds: Any,
+) -> tuple[StreamReader, StreamWriter]:
+    """Like ``asyncio.open_connection``; TLS runs through slabnet's engine.
+
+    Extra keywords: ``ssl_ragged_eof`` accepts EOF without close_notify;
+    ``ssl_session`` resumes a session (``ssl_object.session`` of an earlier
+    connection). The rest go to ``loop.create_connection``.
+    """
+    loop = asyncio.get_running_loop()
+    return await _connect(
+        loop.create_connection, (host, port), host, limit, ssl, server_hostname,
+        ssl_handshake_timeout, ssl_shutdown_timeout, ssl_ragged_eof, ssl_session, kwds,
+    )
+
+
+async def open_unix_connection(
+    path: str | None = None,
+    *,
+    limit: int = _DEFAULT_LIMIT,
+    ssl: _ssl.SSLContext | bool | None = None,
+    server_hostname: str | None = None,
+    ssl_handshake_timeout: float | None = None,
+    ssl_shutdown_timeout: float | None = None,
+    ssl_ragged_eof: bool = False,
+    ssl_session: _ssl.SSLSession | None = None,
+    **kwds: Any,
+) -> tuple[StreamReader, StreamWriter]:
+    """Like ``asyncio.open_unix_connection``."""
+    loop = asyncio.get_running_loop()
+    return await _connect(
+        loop.create_unix_connection, (path,), None, limit, ssl, server_hostname,
+        ssl_handshake_timeout, ssl_shutdown_timeout, ssl_ragged_eof, ssl_session, kwds,
+    )
+
+
+def _server_factory(
+    client_connected_cb: ClientConnectedCallback,
+    limit: int,
+    ssl: _ssl.SSLContext | bool | None,
+    ssl_handshake_timeout: float | None,
+    ssl_shutdown_timeout: float | None,
+) -> Callable[[], SlabProtocol]:
+    loop = asyncio.get_running_loop()
+    ctx, _ = _ssl_args(ssl, True, None, None, ssl_handshake_timeout, ssl_shutdown_timeout)
+
+    def factory() -> SlabProtocol:
+        reader = StreamReader(limit=limit, loop=loop)
+        protocol = _StreamProtocol(reader, client_connected_cb, loop=loop)
+        return SlabProtocol(
+            protocol, loop=loop, ssl=ctx, server_side=True,
+            ssl_handshake_timeout=ssl_handshake_timeout,
+            ssl_shutdown_timeout=ssl_shutdown_timeout,
+        )
+
+    return factory
+
+
+async def start_server(
+    client_connected_cb: ClientConnectedCallback,
+    host: str | Iterable[str] | None = None,
+    port: int | str | None = None,
+    *,
+    limit: int = _DEFAULT_LIMIT,
+    ssl: _ssl.SSLContext | None = None,
+    ssl_handshake_timeout: float | None = None,
+    ssl_shutdown_timeout: float | None = None,
+    **kwds: Any,
+) -> asyncio.Server:
+    """Like ``asyncio.start_server``; returns the loop's ``Server``."""
+    loop = asyncio.get_running_loop()
+    factory = _server_factory(
+        client_connected_cb, limit, ssl, ssl_handshake_timeout, ssl_shutdown_timeout
+    )
+    return await loop.create_server(factory, host, port, **kwds)
+
+
+async def start_unix_server(
+    client_connected_cb: ClientConnectedCallback,
+    path: str | None = None,
+    *,
+    limit: int = _DEFAULT_LIMIT,
+    ssl: _ssl.SSLContext | None = None,
+    ssl_handshake_timeout: float | None = None,
+    ssl_shutdown_timeout: float | None = None,
+    **kwds: Any,
+) -> asyncio.Server:
+    """Like ``asyncio.start_unix_server``."""
+    loop = asyncio.get_running_loop()
+    factory = _server_factory(
+        client_connected_cb, limit, ssl, ssl_handshake_timeout, ssl_shutdown_timeout
+    )
+    return await loop.create_unix_server(factory, path, **kwds)
+

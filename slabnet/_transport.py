@@ -1,0 +1,883 @@
+"""The asyncio shell: SlabProtocol (loop-facing) and SlabTransport (app-facing).
+
+Theory of operation
+-------------------
+slabnet runs over the event loop's plain TCP (or Unix) transport, on the
+default asyncio loop and on uvloop alike, and adds three things the loops do
+not do:
+
+Reads. ``SlabProtocol`` is an ``asyncio.BufferedProtocol``: the loop reads
+straight into a reservation of the loop's ``ReadSlab`` and the protocol hands
+the resulting read-only view to the application's ``ChunkProtocol``. With
+TLS, the view is copied into the ``TLSEngine``'s incoming BIO at once (so
+ciphertext never pins a slab) and the engine's coalesced plaintext chunks,
+each in an exact-size buffer, go to the application instead.
+
+Writes. The loop's transports copy or join data they cannot send at once and
+cannot tell which write has reached the kernel. slabnet sends itself, on its
+own duplicate of the socket's file descriptor (the loops refuse
+``add_writer`` on a descriptor their transport owns, and a duplicate is the
+public way to wait for writability without touching their internals). The
+loop's transport never writes; it still reads, and performs ``write_eof`` and
+the final close, after slabnet's queue is empty.
+
+* A write with nothing queued before it goes straight to ``send``; if the
+  kernel takes it all, no object is made and ``write`` returns ``None``.
+* A small write (below ``BufferPool.small_limit``) is copied into the loop's
+  pool and sent, with every other small write of the same loop iteration, by
+  one ``sendmsg`` from a ``call_soon`` callback -- or at once when 64 KiB
+  have gathered.
+* What the kernel does not take waits in an ``OutQueue`` (memoryview slices,
+  no joins), and the caller gets a ``WriteRequest``.
+* TLS: plaintext written during an iteration is encrypted in one
+  ``write_many`` at the end of it, so records are as full as possible and the
+  ciphertext goes out in one send.
+
+Lifecycle is one enum with one gate (``_set_state``); see ``_TRANSITIONS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import socket
+import ssl
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Final, cast
+
+from ._errors import HandshakeTimeoutError, ShutdownTimeoutError
+from ._pool import BufferPool
+from ._slab import ReadSlab
+from ._write import OutQueue, WriteRequest
+
+if TYPE_CHECKING:
+    from ._tls import TLSEngine
+
+__all__ = [
+    "ChunkProtocol",
+    "SlabProtocol",
+    "SlabTransport",
+    "get_pool",
+    "get_slab",
+]
+
+log = logging.getLogger("slabnet")
+
+#: asyncio's FlowControlMixin default high-water mark; low is a quarter.
+DEFAULT_HIGH_WATER: Final = 64 * 1024
+
+#: Flush gathered small writes before the end of the iteration once this
+#: much is waiting (issue 4: "or earlier when the pooled bytes reach 64 KiB").
+CORK_LIMIT: Final = 64 * 1024
+
+#: asyncio's defaults (asyncio.constants): 60 s handshake, 30 s shutdown.
+SSL_HANDSHAKE_TIMEOUT: Final = 60.0
+SSL_SHUTDOWN_TIMEOUT: Final = 30.0
+
+_SEND_RETRY: Final = (BlockingIOError, InterruptedError)
+
+
+# ---------------------------------------------------------------- per loop
+
+
+class _LoopResources:
+    __slots__ = ("slab", "pool", "__weakref__")
+
+    def __init__(self) -> None:
+        self.slab = ReadSlab()
+        self.pool = BufferPool()
+
+
+_resources: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopResources] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _loop_resources(loop: asyncio.AbstractEventLoop) -> _LoopResources:
+    res = _resources.get(loop)
+    if res is None:
+        res = _resources[loop] = _LoopResources()
+    return res
+
+
+def get_slab(loop: asyncio.AbstractEventLoop | None = None) -> ReadSlab:
+    """The read slab shared by every slabnet connection on ``loop``."""
+    return _loop_resources(loop or asyncio.get_running_loop()).slab
+
+
+def get_pool(loop: asyncio.AbstractEventLoop | None = None) -> BufferPool:
+    """The small-write pool shared by every slabnet connection on ``loop``."""
+    return _loop_resources(loop or asyncio.get_running_loop()).pool
+
+
+# ---------------------------------------------------------------- interface
+
+
+class ChunkProtocol(asyncio.BaseProtocol):
+    """What slabnet calls on the application.
+
+    Call order: ``connection_made(transport)`` (after the TLS handshake, if
+    any), then ``chunk_received(chunk)`` any number of times, then
+    ``eof_received()`` at most once, then ``connection_lost(exc)``.
+    ``pause_writing``/``resume_writing`` bracket periods where the write
+    buffer is above its high-water mark.
+
+    ``chunk`` is a read-only, non-empty ``memoryview``. A plain TCP chunk may
+    be a view of the loop's read slab: keeping it keeps that slab alive (see
+    ``slabnet.memory_stats()``); copy it (``bytes(chunk)``) to keep a few
+    bytes for long. A TLS chunk owns its exact-size buffer.
+    """
+
+    __slots__ = ()
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        """Called with each chunk of bytes, in order."""
+
+    def eof_received(self) -> bool | None:
+        """The peer will send nothing more. Return True to keep writing."""
+        return None
+
+
+# ---------------------------------------------------------------- lifecycle
+
+
+class _State(enum.Enum):
+    HANDSHAKING = "handshaking"  # TCP up, TLS handshake in progress
+    OPEN = "open"
+    CLOSING = "closing"  # close() called: flushing, TLS shutdown
+    CLOSED = "closed"  # connection_lost delivered
+
+
+_TRANSITIONS: Final = {
+    _State.HANDSHAKING: {_State.OPEN, _State.CLOSING, _State.CLOSED},
+    _State.OPEN: {_State.HANDSHAKING, _State.CLOSING, _State.CLOSED},  # STARTTLS
+    _State.CLOSING: {_State.CLOSED},
+    _State.CLOSED: set(),
+}
+
+
+class SlabTransport(asyncio.Transport):
+    """The transport an application protocol sees. Made by ``SlabProtocol``."""
+
+    def __init__(self, proto: SlabProtocol, raw: asyncio.Transport) -> None:
+        super().__init__()
+        self._proto = proto
+        self._raw = raw
+        self._loop = proto._loop
+        self._state = _State.HANDSHAKING if proto._tls is not None else _State.OPEN
+        self._pool = proto._pool
+        self._out = OutQueue()
+        # Our own duplicate of the descriptor, for send and for waiting.
+        raw_sock = raw.get_extra_info("socket")
+        self._sock: socket.socket | None = socket.socket(fileno=_dup(raw_sock))
+        self._sock.setblocking(False)
+        self._wfd = self._sock.fileno()
+        self._waiting_writable = False
+        self._flush_scheduled = False
+        self._corked = 0  # pooled bytes waiting for the end-of-iteration flush
+        self._tls_plain: list[memoryview] = []  # plaintext for the next flush
+        self._tls_plain_bytes = 0
+        self._tls_reqs: list[WriteRequest] = []  # waiting for encryption
+        self._eof_requested = False
+        self._eof_sent = False
+        self._error: BaseException | None = None
+        self._high = DEFAULT_HIGH_WATER
+        self._low = DEFAULT_HIGH_WATER // 4
+        self._writing_paused = False
+        self._reading_paused = False
+        self._timer: asyncio.TimerHandle | None = None
+
+    # ------------------------------------------------ lifecycle gate
+
+    def _set_state(self, new: _State) -> None:
+        if new not in _TRANSITIONS[self._state]:
+            raise RuntimeError(f"slabnet transport: {self._state.value} -> {new.value}")
+        self._state = new
+
+    def is_closing(self) -> bool:
+        return self._state in (_State.CLOSING, _State.CLOSED)
+
+    # ------------------------------------------------ info
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        tls = self._proto._tls
+        if tls is not None and name in _TLS_EXTRA:
+            return tls.get_extra_info(name, default)
+        return self._raw.get_extra_info(name, default)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        return self._proto._app
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        self._proto._set_app(protocol)
+
+    # ------------------------------------------------ reading
+
+    def is_reading(self) -> bool:
+        return not self._reading_paused and self._state is not _State.CLOSED
+
+    def pause_reading(self) -> None:
+        if self._reading_paused or self._state is _State.CLOSED:
+            return
+        self._reading_paused = True
+        self._raw.pause_reading()
+
+    def resume_reading(self) -> None:
+        if not self._reading_paused or self._state is _State.CLOSED:
+            return
+        self._reading_paused = False
+        proto = self._proto
+        if proto._tls is not None:
+            # Plaintext that arrived before the pause is delivered first.
+            self._loop.call_soon(proto._tls_pump)
+        if not proto._raw_eof:
+            self._raw.resume_reading()
+
+    # ------------------------------------------------ writing: public
+
+    def write(self, data: Any) -> WriteRequest | None:  # type: ignore[override]
+        """Send ``data``; None if accepted at once, else a WriteRequest."""
+        view = _as_bytes_view(data)
+        n = view.nbytes
+        if not n:
+            return None
+        self._check_writable()
+        if self._proto._tls is not None:
+            return self._tls_write(view, n)
+        out = self._out
+        if n < self._pool.small_limit:
+            # Gather: copy into the pool; one sendmsg at the end of the
+            # iteration carries every small write of this iteration.
+            region = self._pool.alloc(n)
+            region[:] = view
+            blocked = self._waiting_writable
+            out.append(region)
+            self._corked += n
+            if blocked:
+                req = out.request(n)
+                self._check_pause()
+                return req
+            if self._corked >= CORK_LIMIT:
+                self._flush()
+            elif not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush_soon)
+            if out.queued > self._high:
+                self._check_pause()
+            return None
+        if not view.readonly:
+            view = memoryview(view.tobytes())  # the caller may reuse its buffer
+        if not out:
+            # Nothing before it: try the kernel directly (seed 002).
+            sock = self._sock
+            assert sock is not None
+            try:
+                sent = sock.send(view)
+            except _SEND_RETRY:
+                sent = 0
+            except OSError as exc:
+                self._write_failed(exc)
+                return None
+            out.passed(sent)
+            if sent == n:
+                return None
+            out.append(view[sent:])
+            req = out.request(n - sent)
+            self._wait_writable()
+            self._check_pause()
+            return req
+        # Pooled small writes (or a blocked queue) are ahead of it.
+        out.append(view)
+        if not self._waiting_writable:
+            self._flush()  # one sendmsg for the pooled writes and this one
+            if not out:
+                return None
+        req = out.request(n)
+        self._check_pause()
+        return req
+
+    def writelines(self, list_of_data: Iterable[Any]) -> WriteRequest | None:  # type: ignore[override]
+        """Write several buffers; they go out with one ``sendmsg``."""
+        views = [v for v in map(_as_bytes_view, list_of_data) if v.nbytes]
+        if not views:
+            return None
+        self._check_writable()
+        total = sum(v.nbytes for v in views)
+        if self._proto._tls is not None:
+            req = None
+            for v in views:
+                req = self._tls_write(v, v.nbytes) or req
+            return req
+        out = self._out
+        for v in views:
+            out.append(v if v.readonly else memoryview(v.tobytes()))
+        if not self._waiting_writable:
+            self._flush()
+            if not out:
+                return None
+        req = out.request(total)
+        self._check_pause()
+        return req
+
+    def can_write_eof(self) -> bool:
+        return self._proto._tls is None and self._raw.can_write_eof()
+
+    def write_eof(self) -> None:
+        if self._proto._tls is not None:
+            raise NotImplementedError("write_eof() is not supported on TLS connections")
+        if self._eof_requested or self._state is _State.CLOSED:
+            return
+        self._eof_requested = True
+        if not self._out and not self._waiting_writable:
+            self._send_eof()
+        else:
+            self._flush()
+
+    def get_write_buffer_size(self) -> int:
+        return self._out.queued + self._tls_plain_bytes
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return (self._low, self._high)
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if high is None:
+            high = DEFAULT_HIGH_WATER if low is None else 4 * low
+        if low is None:
+            low = high // 4
+        if not high >= low >= 0:
+            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+        self._high, self._low = high, low
+        self._check_pause()
+
+    # ------------------------------------------------ closing
+
+    def close(self) -> None:
+        if self._state in (_State.CLOSING, _State.CLOSED):
+            return
+        if self._state is _State.HANDSHAKING:
+            # Nothing was exchanged with the application yet.
+            self._abort(ConnectionAbortedError("closed during the TLS handshake"))
+            return
+        self._set_state(_State.CLOSING)
+        proto = self._proto
+        tls = proto._tls
+        if tls is not None:
+            self._tls_flush_plain()
+            tls.start_shutdown()
+            self._send_tls_output()
+            timeout = proto._shutdown_timeout
+            self._timer = self._loop.call_later(timeout, self._shutdown_timed_out)
+            if self._reading_paused:
+                self._reading_paused = False
+                self._raw.resume_reading()
+            return
+        if not self._reading_paused and not proto._raw_eof:
+            self._raw.pause_reading()
+        self._maybe_close_raw()
+
+    def abort(self) -> None:
+        self._abort(None)
+
+    def _abort(self, exc: BaseException | None) -> None:
+        if self._state is _State.CLOSED:
+            return
+        if exc is not None and self._error is None:
+            self._error = exc
+        self._fail_writes(exc or ConnectionAbortedError("transport aborted"))
+        self._tls_plain_bytes = 0
+        self._close_sock()
+        if self._state is not _State.CLOSING:
+            self._set_state(_State.CLOSING)
+        self._raw.abort()
+
+    def _shutdown_timed_out(self) -> None:
+        self._timer = None
+        self._abort(ShutdownTimeoutError(
+            f"TLS shutdown did not complete within {self._proto._shutdown_timeout} s"
+        ))
+
+    def _maybe_close_raw(self) -> None:
+        # CLOSING and nothing left to send: hand the close to the loop.
+        if self._out or self._tls_plain:
+            return
+        if self._proto._tls is not None and self._state is _State.CLOSING:
+            if not self._proto._tls_closed:
+                return  # waiting for the peer's close_notify
+        self._close_sock()
+        self._raw.close()
+
+    def _close_sock(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        if self._waiting_writable:
+            self._waiting_writable = False
+            self._loop.remove_writer(self._wfd)
+        self._sock = None
+        sock.close()
+
+    # ------------------------------------------------ writing: internals
+
+    def _check_writable(self) -> None:
+        if self._eof_requested:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        if self._state is _State.CLOSED or self._sock is None:
+            exc = self._error
+            raise ConnectionResetError("Connection lost") from exc
+        if self._state is _State.CLOSING:
+            raise RuntimeError("Cannot call write() after close()")
+
+    def _tls_write(self, view: memoryview, n: int) -> WriteRequest | None:
+        if not view.readonly:
+            view = memoryview(view.tobytes())  # the caller may reuse its buffer
+        self._tls_plain.append(view)
+        self._tls_plain_bytes += n
+        req = None
+        if self._waiting_writable or self._state is _State.HANDSHAKING:
+            # Its ciphertext position is known once it is encrypted.
+            req = WriteRequest(n, -1)
+            self._tls_reqs.append(req)
+        if self._state is _State.OPEN:
+            if self._tls_plain_bytes >= CORK_LIMIT:
+                self._flush()
+            elif not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush_soon)
+        self._check_pause()
+        return req
+
+    def _tls_flush_plain(self) -> None:
+        """Encrypt the plaintext gathered this iteration and queue it."""
+        plain = self._tls_plain
+        if not plain:
+            return
+        tls = self._proto._tls
+        assert tls is not None
+        self._tls_plain = []
+        self._tls_plain_bytes = 0
+        tls.write_many(plain)
+        self._out.append(memoryview(tls.data_to_send()))
+        reqs = self._tls_reqs
+        if reqs:
+            self._tls_reqs = []
+            for req in reqs:
+                self._out.track(req)
+
+    def _send_tls_output(self) -> None:
+        tls = self._proto._tls
+        assert tls is not None
+        data = tls.data_to_send()
+        if data:
+            self._out.append(memoryview(data))
+            if not self._waiting_writable:
+                self._flush()
+
+    def _flush_soon(self) -> None:
+        self._flush_scheduled = False
+        if self._state is _State.CLOSED:
+            return
+        self._flush()
+
+    def _flush(self) -> None:
+        """Send what is queued; wait for writability if the kernel is full."""
+        if self._tls_plain and self._state is not _State.HANDSHAKING:
+            self._tls_flush_plain()
+        self._corked = 0
+        out = self._out
+        sock = self._sock
+        if sock is None:
+            return
+        while out:
+            bufs = out.buffers()
+            try:
+                if len(bufs) == 1:
+                    sent = sock.send(bufs[0])
+                else:
+                    sent = sock.sendmsg(bufs)
+            except _SEND_RETRY:
+                break
+            except OSError as exc:
+                self._write_failed(exc)
+                return
+            if out.sent(sent) or sent < sum(b.nbytes for b in bufs):
+                break
+        if out:
+            self._wait_writable()
+        elif self._waiting_writable:
+            self._waiting_writable = False
+            self._loop.remove_writer(self._wfd)
+        self._check_pause()
+        if not out:
+            if self._eof_requested and not self._eof_sent:
+                self._send_eof()
+            if self._state is _State.CLOSING:
+                self._maybe_close_raw()
+
+    def _on_writable(self) -> None:
+        self._flush()
+
+    def _wait_writable(self) -> None:
+        if not self._waiting_writable:
+            self._waiting_writable = True
+            self._loop.add_writer(self._wfd, self._on_writable)
+
+    def _check_pause(self) -> None:
+        size = self._out.queued + self._tls_plain_bytes
+        if not self._writing_paused:
+            if size > self._high:
+                self._writing_paused = True
+                try:
+                    self._proto._app.pause_writing()
+                except Exception as exc:  # pragma: no cover - app bug
+                    self._loop.call_exception_handler({
+                        "message": "protocol.pause_writing() failed",
+                        "exception": exc, "transport": self, "protocol": self._proto._app,
+                    })
+        elif size <= self._low:
+            self._writing_paused = False
+            try:
+                self._proto._app.resume_writing()
+            except Exception as exc:  # pragma: no cover - app bug
+                self._loop.call_exception_handler({
+                    "message": "protocol.resume_writing() failed",
+                    "exception": exc, "transport": self, "protocol": self._proto._app,
+                })
+
+    def _send_eof(self) -> None:
+        self._eof_sent = True
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_WR)
+            except OSError as exc:
+                self._write_failed(exc)
+
+    def _fail_writes(self, exc: BaseException) -> None:
+        self._out.fail(exc)
+        for req in self._tls_reqs:
+            req._finish(exc)
+        self._tls_reqs = []
+        self._tls_plain = []
+        self._tls_plain_bytes = 0
+
+    def _write_failed(self, exc: OSError) -> None:
+        self._abort(exc)
+
+    # ------------------------------------------------ from SlabProtocol
+
+    def _connection_lost(self, exc: BaseException | None) -> BaseException | None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        err = self._error or exc
+        self._fail_writes(err or ConnectionResetError("connection lost with data unsent"))
+        self._close_sock()
+        self._state = _State.CLOSED  # always allowed: the loop says so
+        return err
+
+    def __repr__(self) -> str:
+        return f"<SlabTransport {self._state.value} raw={self._raw!r}>"
+
+
+_TLS_EXTRA: Final = frozenset(
+    {"ssl_object", "peercert", "cipher", "compression", "sslcontext", "peercert_bin"}
+)
+
+
+def _dup(raw_sock: Any) -> int:
+    import os
+
+    return os.dup(raw_sock.fileno())
+
+
+def _as_bytes_view(data: Any) -> memoryview:
+    view = memoryview(data)
+    if view.itemsize != 1 or view.ndim != 1:
+        view = view.cast("B")
+    return view
+
+
+# ---------------------------------------------------------------- protocol
+
+
+class SlabProtocol(asyncio.BufferedProtocol):
+    """A ``BufferedProtocol`` that reads through the loop's slab.
+
+    Pass it to ``loop.create_connection``/``create_server`` (as a factory
+    returning new instances). It hands read-only chunks to ``app`` (a
+    ``ChunkProtocol``) and gives ``app`` a ``SlabTransport``. With ``ssl``, it
+    runs slabnet's own TLS over the plain transport.
+    """
+
+    def __init__(
+        self,
+        app: asyncio.BaseProtocol,
+        *,
+        loop: asyncio.AbstractEventLoop | None = None,
+        ssl: ssl.SSLContext | None = None,
+        server_side: bool = False,
+        server_hostname: str | None = None,
+        ssl_handshake_timeout: float | None = None,
+        ssl_shutdown_timeout: float | None = None,
+        ssl_ragged_eof: bool = False,
+        ssl_session: Any = None,
+        handshake_waiter: asyncio.Future[None] | None = None,
+        slab: ReadSlab | None = None,
+    ) -> None:
+        self._loop = loop or asyncio.get_running_loop()
+        res = _loop_resources(self._loop)
+        self._slab = slab or res.slab
+        self._pool = res.pool
+        self._app = app
+        self._deliver = getattr(app, "chunk_received", None)
+        if self._deliver is None:
+            raise TypeError(f"{app!r} has no chunk_received(): not a ChunkProtocol")
+        self._tls: TLSEngine | None = None
+        self._ssl_args: tuple[Any, ...] | None = None
+        if ssl is not None:
+            self._ssl_args = (ssl, server_side, server_hostname, ssl_ragged_eof, ssl_session)
+        self._handshake_timeout = (
+            SSL_HANDSHAKE_TIMEOUT if ssl_handshake_timeout is None else ssl_handshake_timeout
+        )
+        self._shutdown_timeout = (
+            SSL_SHUTDOWN_TIMEOUT if ssl_shutdown_timeout is None else ssl_shutdown_timeout
+        )
+        self._waiter = handshake_waiter
+        self._transport: SlabTransport | None = None
+        self._raw_eof = False
+        self._tls_closed = False  # the peer's close_notify (or EOF) is in
+        self._app_eof = False
+        self._lost = False
+        self._upgrading = False
+
+    def _set_app(self, app: asyncio.BaseProtocol) -> None:
+        deliver = getattr(app, "chunk_received", None)
+        if deliver is None:
+            raise TypeError(f"{app!r} has no chunk_received(): not a ChunkProtocol")
+        self._app = app
+        self._deliver = deliver
+
+    # ------------------------------------------------ loop callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        # uvloop's transports implement the interface without subclassing it.
+        transport = cast(asyncio.Transport, transport)
+        if self._ssl_args is not None:
+            from ._tls import TLSEngine
+
+            ctx, server_side, hostname, ragged, session = self._ssl_args
+            self._tls = TLSEngine(
+                ctx, server_side=server_side, server_hostname=hostname,
+                session=session, ragged_eof=ragged,
+            )
+        self._transport = tr = SlabTransport(self, transport)
+        if self._tls is None:
+            self._app.connection_made(tr)
+            if self._waiter is not None and not self._waiter.done():
+                self._waiter.set_result(None)
+            return
+        tr._timer = self._loop.call_later(self._handshake_timeout, self._handshake_timed_out)
+        self._tls_handshake()
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self._slab.reserve(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        chunk = self._slab.commit(nbytes)
+        if self._tls is None:
+            self._deliver(chunk)
+            return
+        self._tls.receive_data(chunk)
+        del chunk  # ciphertext never pins the slab
+        if self._transport is not None and self._transport._state is _State.HANDSHAKING:
+            self._tls_handshake()
+        else:
+            self._tls_pump()
+
+    def eof_received(self) -> bool | None:
+        self._raw_eof = True
+        tls = self._tls
+        tr = self._transport
+        assert tr is not None
+        if tls is None:
+            self._app_eof = True
+            keep_open = self._app.eof_received()  # type: ignore[attr-defined]
+            if not keep_open:
+                tr.close()
+            return True
+        tls.receive_eof()
+        if tr._state is _State.HANDSHAKING:
+            self._tls_handshake()
+        else:
+            self._tls_pump(force=True)
+        return True
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if self._lost:
+            return
+        self._lost = True
+        tr = self._transport
+        if tr is None:
+            return
+        if self._tls is not None and tr._state is not _State.HANDSHAKING and not self._tls_closed:
+            # Deliver every byte that was decrypted before the connection went.
+            self._tls_pump(force=True, final=True)
+        handshaking = tr._state is _State.HANDSHAKING
+        err = tr._connection_lost(exc)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(err or ConnectionResetError(
+                "connection lost during the TLS handshake" if handshaking else "connection lost"
+            ))
+        if handshaking:
+            return  # the app never saw connection_made
+        try:
+            self._app.connection_lost(err)
+        finally:
+            self._transport = None
+
+    def pause_writing(self) -> None:  # the loop transport never writes
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # ------------------------------------------------ TLS
+
+    async def start_tls(
+        self,
+        sslcontext: ssl.SSLContext,
+        *,
+        server_side: bool = False,
+        server_hostname: str | None = None,
+        ssl_handshake_timeout: float | None = None,
+        ssl_shutdown_timeout: float | None = None,
+        ssl_ragged_eof: bool = False,
+        ssl_session: Any = None,
+    ) -> None:
+        """Upgrade this plain connection to TLS (STARTTLS) and wait for it.
+
+        Bytes written before the call go out in plaintext first; every byte
+        read after it is ciphertext.
+        """
+        from ._tls import TLSEngine
+
+        tr = self._transport
+        if self._tls is not None:
+            raise RuntimeError("the connection already uses TLS")
+        if tr is None or tr.is_closing():
+            raise ConnectionResetError("cannot start TLS on a closed connection")
+        if not server_side and not server_hostname and sslcontext.check_hostname:
+            raise ValueError("start_tls() on a client needs server_hostname")
+        self._tls = TLSEngine(
+            sslcontext, server_side=server_side, server_hostname=server_hostname,
+            session=ssl_session, ragged_eof=ssl_ragged_eof,
+        )
+        if ssl_handshake_timeout is not None:
+            self._handshake_timeout = ssl_handshake_timeout
+        if ssl_shutdown_timeout is not None:
+            self._shutdown_timeout = ssl_shutdown_timeout
+        self._waiter = waiter = self._loop.create_future()
+        self._upgrading = True
+        tr._set_state(_State.HANDSHAKING)
+        tr._timer = self._loop.call_later(self._handshake_timeout, self._handshake_timed_out)
+        self._tls_handshake()
+        await waiter
+
+    def _tls_handshake(self) -> None:
+        tls = self._tls
+        tr = self._transport
+        assert tls is not None and tr is not None
+        try:
+            done = tls.do_handshake()
+        except Exception as exc:
+            tr._send_tls_output()
+            self._fail(exc)
+            return
+        tr._send_tls_output()
+        if not done:
+            if self._raw_eof:
+                self._fail(ConnectionResetError("peer closed the connection during the TLS handshake"))
+            return
+        if tr._timer is not None:
+            tr._timer.cancel()
+            tr._timer = None
+        tr._set_state(_State.OPEN)
+        if self._upgrading:
+            self._upgrading = False  # STARTTLS: the app has its transport
+        else:
+            self._app.connection_made(tr)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+        if tr._tls_plain:
+            tr._flush()
+        self._tls_pump()
+
+    def _handshake_timed_out(self) -> None:
+        tr = self._transport
+        if tr is None:
+            return
+        tr._timer = None
+        if tr._state is _State.HANDSHAKING:
+            self._fail(HandshakeTimeoutError(
+                f"TLS handshake did not complete within {self._handshake_timeout} s"
+            ))
+
+    def _tls_pump(self, force: bool = False, final: bool = False) -> None:
+        """Deliver decrypted chunks until the engine needs more input."""
+        tls = self._tls
+        tr = self._transport
+        if tls is None or tr is None or self._tls_closed:
+            return
+        deliver = self._deliver
+        try:
+            while force or not tr._reading_paused:
+                chunk = tls.read_chunk()
+                if chunk is None:
+                    break
+                if not chunk:
+                    self._tls_closed = True
+                    break
+                deliver(chunk)
+        except Exception as exc:
+            if final:
+                tr._error = tr._error or exc
+            elif tr._state is _State.CLOSING:
+                # We asked to close; the peer went without its close_notify.
+                self._tls_closed = True
+                tr._maybe_close_raw()
+            else:
+                tr._send_tls_output()
+                self._fail(exc)
+            return
+        if final:
+            return
+        tr._send_tls_output()
+        if self._tls_closed:
+            self._tls_eof()
+
+    def _tls_eof(self) -> None:
+        tr = self._transport
+        assert tr is not None
+        if tr._state is _State.CLOSING:
+            tr._maybe_close_raw()
+            return
+        self._app_eof = True
+        keep_open = self._app.eof_received()  # type: ignore[attr-defined]
+        if keep_open:
+            log.debug("%r: eof_received() returned True, ignored over TLS", self._app)
+        tr.close()
+
+    def _fail(self, exc: BaseException) -> None:
+        tr = self._transport
+        if tr is None:
+            return
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+        tr._abort(exc)
+
+
+_ = ChunkProtocol  # re-exported by the package

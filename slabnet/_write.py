@@ -1,0 +1,159 @@
+"""The outgoing byte queue and write requests (sans-IO).
+
+Theory of operation
+-------------------
+Seed 002: most stream writes complete synchronously (the kernel takes all
+the bytes at once), so nothing should be allocated to track them. slabnet's
+write path therefore hands back a ``WriteRequest`` only when bytes have to
+wait for the socket, and ``None`` otherwise.
+
+``OutQueue`` is the bookkeeping behind that: an ordered deque of read-only
+byte views waiting for the kernel, the count of bytes ever queued and ever
+sent (so a request is "the bytes up to stream position N"), and the requests
+that wait on positions. The shell calls ``sent(n)`` after each ``send`` or
+``sendmsg`` and gets back whether everything went; requests whose position
+has been reached complete in order. Partial sends leave a sliced view at the
+head -- slicing a ``memoryview`` copies nothing.
+
+Buffers are gathered for one ``sendmsg`` (``buffers()``), capped at
+``IOV_MAX`` entries: Linux refuses more than 1024 iovecs in one call (uio.h
+UIO_MAXIOV).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+from collections.abc import Generator
+from typing import Any, Final
+
+__all__ = ["IOV_MAX", "OutQueue", "WriteRequest"]
+
+IOV_MAX: Final = 1024
+
+
+class WriteRequest:
+    """Bytes that were queued because the socket could not take them yet.
+
+    Awaiting it returns once those bytes were handed to the kernel, or raises
+    the error that broke the connection first. It exists only for writes that
+    did not complete synchronously.
+    """
+
+    __slots__ = ("nbytes", "_end", "_exc", "_done", "_waiter")
+
+    def __init__(self, nbytes: int, end: int) -> None:
+        self.nbytes = nbytes
+        self._end = end  # stream position the kernel must have taken
+        self._exc: BaseException | None = None
+        self._done = False
+        self._waiter: Any = None  # an asyncio.Future, made only when awaited
+
+    def done(self) -> bool:
+        return self._done
+
+    def exception(self) -> BaseException | None:
+        return self._exc
+
+    def _finish(self, exc: BaseException | None) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._exc = exc
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            if exc is None:
+                waiter.set_result(None)
+            else:
+                waiter.set_exception(exc)
+
+    def __await__(self) -> Generator[Any, None, None]:
+        if not self._done:
+            if self._waiter is None:
+                import asyncio  # the shell's loop; this module stays sans-IO
+
+                self._waiter = asyncio.get_running_loop().create_future()
+            yield from self._waiter.__await__()
+        elif self._exc is not None:
+            raise self._exc
+
+    def __repr__(self) -> str:
+        state = "done" if self._done else "pending"
+        return f"<WriteRequest nbytes={self.nbytes} {state}>"
+
+
+class OutQueue:
+    """Bytes waiting for the socket, in order."""
+
+    __slots__ = ("_bufs", "queued", "sent_total", "end", "_requests")
+
+    def __init__(self) -> None:
+        self._bufs: collections.deque[memoryview] = collections.deque()
+        self.queued = 0  # bytes waiting
+        self.sent_total = 0  # bytes handed to the kernel, ever
+        self.end = 0  # stream position after the last queued byte
+        self._requests: collections.deque[WriteRequest] = collections.deque()
+
+    def __bool__(self) -> bool:
+        return self.queued > 0
+
+    def append(self, view: memoryview) -> None:
+        n = view.nbytes
+        if n:
+            self._bufs.append(view)
+            self.queued += n
+            self.end += n
+
+    def passed(self, nbytes: int) -> None:
+        """Account for bytes sent directly, without ever being queued."""
+        self.end += nbytes
+        self.sent_total += nbytes
+
+    def request(self, nbytes: int) -> WriteRequest:
+        """A request for the bytes queued so far (the last ``nbytes`` of them)."""
+        req = WriteRequest(nbytes, self.end)
+        self._requests.append(req)
+        return req
+
+    def track(self, req: WriteRequest) -> None:
+        """Make ``req`` complete once everything queued so far is sent."""
+        req._end = self.end
+        if self.sent_total >= self.end:
+            req._finish(None)
+        else:
+            self._requests.append(req)
+
+    def buffers(self) -> list[memoryview]:
+        bufs = self._bufs
+        if len(bufs) <= IOV_MAX:
+            return list(bufs)
+        return list(itertools.islice(bufs, IOV_MAX))
+
+    def sent(self, nbytes: int) -> bool:
+        """Record that the kernel took ``nbytes``; True if the queue is empty."""
+        self.queued -= nbytes
+        self.sent_total += nbytes
+        bufs = self._bufs
+        while nbytes:
+            head = bufs[0]
+            size = head.nbytes
+            if nbytes >= size:
+                bufs.popleft()
+                nbytes -= size
+            else:
+                bufs[0] = head[nbytes:]
+                break
+        reqs = self._requests
+        if reqs:
+            done = self.sent_total
+            while reqs and reqs[0]._end <= done:
+                reqs.popleft()._finish(None)
+        return not self.queued
+
+    def fail(self, exc: BaseException) -> None:
+        """Drop every queued byte; pending requests raise ``exc``."""
+        self._bufs.clear()
+        self.queued = 0
+        reqs = self._requests
+        while reqs:
+            reqs.popleft()._finish(exc)

@@ -1,0 +1,1 @@
+"""slabnet's pytest plugin (placeholder; see below)."""
