@@ -1,0 +1,296 @@
+"""The TTS service: HTTPS + HTTP/1.1 (h11) on slabnet or asyncio streams.
+
+Protocol
+--------
+``GET /v1/speech?text=<phrase>&rate=8000|16000`` answers ``200`` with the
+phrase as raw PCM, 16-bit signed little-endian, mono, at the requested rate
+(8000 Hz if omitted), in chunked transfer encoding (RFC 9112 §7.1)::
+
+    content-type: audio/pcm;rate=8000;channels=1;encoding=s16le
+    x-audio-source: espeak-ng | synthetic
+    x-audio-bytes: <length of the whole PCM body>
+    x-audio-sha256: <hex SHA-256 of the whole PCM body>
+
+Like a streaming TTS provider, the body goes out faster than real time
+(``speed`` times, 5x by default) in small chunks of ``chunk_ms`` of audio
+(20 ms, one RTP frame, by default); each chunk is one ``write()`` and so one
+TLS record. ``GET /v1/health`` answers a small JSON document. Connections are
+kept alive between requests.
+
+Pacing uses one ticker per process, not one timer per response: every
+``TICK_S`` each streaming response sends the next ``speed * TICK_S`` seconds
+of audio, then waits for the next tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import signal
+import ssl
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+import h11
+
+from .._common import FRAME_MS, PHRASES, SAMPLE_RATES, SAMPLE_WIDTH, streams_module
+from ._synth import PhraseCache
+
+__all__ = ["ServiceConfig", "TTSService", "Ticker", "serve"]
+
+# One pacing tick per 20 ms, the frame period: a response never gets more
+# than one tick ahead of "speed x real time".
+TICK_S = 0.020
+# Largest request we accept before answering 431; a phrase fits easily.
+MAX_REQUEST_BYTES = 16 * 1024
+# Read size for plain asyncio streams.
+READ_SIZE = 64 * 1024
+# How long shutdown waits for responses in progress before cancelling them.
+SHUTDOWN_GRACE_S = 5.0
+
+
+@dataclasses.dataclass
+class ServiceConfig:
+    host: str = "127.0.0.1"
+    port: int = 8443
+    impl: str = "asyncio"
+    voice: str = "auto"
+    speed: float = 5.0  # x real time
+    chunk_ms: int = FRAME_MS
+    reuse_port: bool = False
+
+
+class Ticker:
+    """A shared periodic wake-up: ``await ticker.wait()`` returns at the next tick.
+
+    The tick timer runs only while someone waits, so an idle service does not
+    spin. Each waiter has its own ``Event.wait()`` future, so cancelling one
+    waiter never disturbs the others.
+    """
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._event: asyncio.Event | None = None
+
+    async def wait(self) -> None:
+        if self._event is None:
+            self._event = asyncio.Event()
+            asyncio.get_running_loop().call_later(self.interval, self._fire)
+        await self._event.wait()
+
+    def _fire(self) -> None:
+        event, self._event = self._event, None
+        if event is not None:
+            event.set()
+
+
+class TTSService:
+    """One process's HTTPS listener and its connections."""
+
+    def __init__(self, config: ServiceConfig, ssl_context: ssl.SSLContext) -> None:
+        self.config = config
+        self.ssl_context = ssl_context
+        self.cache = PhraseCache(config.voice)
+        self.ticker = Ticker(TICK_S)
+        self.server: Any = None
+        self.port = config.port
+        self._idle: set[asyncio.Task[None]] = set()
+        self._busy: set[asyncio.Task[None]] = set()
+        self._closing = False
+        self.responses = 0
+        self.errors = 0
+
+    # -- lifecycle -----------------------------------------------------------
+
+    async def start(self) -> None:
+        streams = streams_module(self.config.impl)
+        kwargs: dict[str, Any] = {"ssl": self.ssl_context}
+        if self.config.reuse_port:
+            kwargs["reuse_port"] = True
+        self.server = await streams.start_server(
+            self._handle, self.config.host, self.config.port, **kwargs
+        )
+        self.port = self.server.sockets[0].getsockname()[1]
+
+    async def close(self) -> None:
+        """Stop listening, let responses in progress finish, close connections."""
+        self._closing = True
+        if self.server is not None:
+            self.server.close()
+        for task in list(self._idle):
+            task.cancel()
+        pending = self._idle | self._busy
+        if pending:
+            _, late = await asyncio.wait(pending, timeout=SHUTDOWN_GRACE_S)
+            for task in late:
+                task.cancel()
+            if late:
+                await asyncio.wait(late)
+        if self.server is not None:
+            await self.server.wait_closed()
+
+    async def __aenter__(self) -> TTSService:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    # -- connections ---------------------------------------------------------
+
+    async def _handle(self, reader: Any, writer: Any) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._idle.add(task)
+        conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
+        read = reader.read_chunk if self.config.impl == "slabnet" else None
+        try:
+            while not self._closing:
+                event = await self._next_event(conn, reader, read)
+                if isinstance(event, h11.ConnectionClosed):
+                    break
+                if not isinstance(event, h11.Request):
+                    raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}", 400)
+                self._idle.discard(task)
+                self._busy.add(task)
+                # The request has no body; read up to its EndOfMessage.
+                while not isinstance(await self._next_event(conn, reader, read), h11.EndOfMessage):
+                    pass
+                await self._respond(conn, event, writer)
+                self._busy.discard(task)
+                self._idle.add(task)
+                if conn.our_state is h11.MUST_CLOSE:
+                    break
+                conn.start_next_cycle()
+        except asyncio.CancelledError:
+            pass  # shutdown: closed below
+        except h11.RemoteProtocolError as exc:
+            self.errors += 1
+            if conn.our_state is h11.SEND_RESPONSE:
+                body = f"{exc}\n".encode()
+                with contextlib.suppress(h11.LocalProtocolError, OSError):
+                    writer.write(conn.send(_response(exc.error_status_hint, "text/plain", len(body))))
+                    writer.write(conn.send(h11.Data(data=body)))
+                    writer.write(conn.send(h11.EndOfMessage()))
+        except (OSError, ssl.SSLError):
+            self.errors += 1  # the peer went away mid-response
+        finally:
+            self._idle.discard(task)
+            self._busy.discard(task)
+            writer.close()
+            with contextlib.suppress(OSError, ssl.SSLError, asyncio.CancelledError):
+                await writer.wait_closed()
+
+    @staticmethod
+    async def _next_event(conn: h11.Connection, reader: Any, read: Any) -> Any:
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = await (read() if read is not None else reader.read(READ_SIZE))
+            conn.receive_data(data)  # empty at EOF: h11 then reports ConnectionClosed
+
+    async def _respond(self, conn: h11.Connection, request: h11.Request, writer: Any) -> None:
+        url = urlsplit(request.target.decode("ascii", "replace"))
+        if request.method not in (b"GET", b"HEAD"):
+            await self._send_simple(conn, writer, 405, "method not allowed\n")
+        elif url.path == "/v1/health":
+            body = json.dumps(
+                {"ok": True, "voice": self.cache.voice, "impl": self.config.impl,
+                 "pid": os.getpid(), "cached_phrases": len(self.cache)}
+            )
+            await self._send_simple(conn, writer, 200, body + "\n", "application/json")
+        elif url.path == "/v1/speech":
+            query = parse_qs(url.query)
+            text = query.get("text", [""])[0].strip()
+            try:
+                rate = int(query.get("rate", ["8000"])[0])
+            except ValueError:
+                rate = 0
+            if not text or len(text) > 1000 or rate not in SAMPLE_RATES:
+                await self._send_simple(
+                    conn, writer, 400, f"need text (<= 1000 chars) and rate in {SAMPLE_RATES}\n"
+                )
+            else:
+                await self._stream_speech(conn, writer, text, rate, request.method == b"HEAD")
+        else:
+            await self._send_simple(conn, writer, 404, "not found\n")
+        self.responses += 1
+
+    async def _send_simple(
+        self, conn: h11.Connection, writer: Any, status: int, text: str,
+        content_type: str = "text/plain; charset=utf-8",
+    ) -> None:
+        body = text.encode()
+        writer.write(conn.send(_response(status, content_type, len(body))))
+        writer.write(conn.send(h11.Data(data=body)))
+        writer.write(conn.send(h11.EndOfMessage()))
+        await writer.drain()
+
+    async def _stream_speech(
+        self, conn: h11.Connection, writer: Any, text: str, rate: int, head_only: bool
+    ) -> None:
+        phrase = await self.cache.get(text, rate)
+        headers = [
+            ("content-type", f"audio/pcm;rate={rate};channels=1;encoding=s16le"),
+            ("x-audio-source", phrase.source),
+            ("x-audio-bytes", str(len(phrase.pcm))),
+            ("x-audio-sha256", phrase.sha256),
+            ("cache-control", "no-store"),
+        ]
+        # No content-length: h11 frames an HTTP/1.1 response with chunked encoding.
+        writer.write(conn.send(h11.Response(status_code=200, headers=headers)))
+        if not head_only:
+            chunk = max(SAMPLE_WIDTH, rate * self.config.chunk_ms // 1000 * SAMPLE_WIDTH)
+            per_tick = max(1, round(self.config.speed * TICK_S * 1000 / self.config.chunk_ms))
+            pcm = memoryview(phrase.pcm)
+            for i, start in enumerate(range(0, len(pcm), chunk)):
+                if i and i % per_tick == 0:
+                    await writer.drain()
+                    await self.ticker.wait()
+                writer.write(conn.send(h11.Data(data=pcm[start : start + chunk])))
+        writer.write(conn.send(h11.EndOfMessage()))
+        await writer.drain()
+
+
+def _response(status: int, content_type: str, length: int) -> h11.Response:
+    return h11.Response(
+        status_code=status,
+        headers=[("content-type", content_type), ("content-length", str(length))],
+    )
+
+
+async def serve(
+    config: ServiceConfig,
+    ssl_context: ssl.SSLContext,
+    *,
+    ready: Any = None,
+    stop: asyncio.Event | None = None,
+) -> TTSService:
+    """Run one service process until SIGINT/SIGTERM (or ``stop`` is set).
+
+    ``ready(service)`` is called once the socket listens.
+    """
+    service = TTSService(config, ssl_context)
+    loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
+    installed = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            loop.add_signal_handler(sig, stop.set)
+            installed.append(sig)
+    try:
+        async with service:
+            # Warm the cache for the voice server's phrase list.
+            for rate in SAMPLE_RATES:
+                await asyncio.gather(*(service.cache.get(p, rate) for p in PHRASES))
+            if ready is not None:
+                ready(service)
+            await stop.wait()
+    finally:
+        for sig in installed:
+            loop.remove_signal_handler(sig)
+    return service

@@ -1,0 +1,204 @@
+"""Speech synthesis for the TTS service, with a per-process phrase cache.
+
+Two voices:
+
+* ``espeak-ng``: real speech from the espeak-ng command line program (the
+  Debian package of the same name). It writes 22050 Hz WAV; we resample to
+  the rate asked for (8 or 16 kHz) with a windowed-sinc low-pass filter.
+* ``synthetic``: a deterministic, speech-like signal computed from the text
+  alone (one short voiced tone per letter, pauses at spaces and
+  punctuation). The receiver can recompute it, which is what the tests do to
+  check that the audio arrived byte for byte.
+
+``auto`` picks espeak-ng when the program is installed. Every phrase is
+synthesized once per (text, rate) and then served from memory, as TTS
+frontends cache their prompts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hashlib
+import math
+import shutil
+import subprocess
+import sys
+import tempfile
+import wave
+from array import array
+from pathlib import Path
+
+from .._common import SAMPLE_RATES, SAMPLE_WIDTH
+
+__all__ = ["VOICES", "Phrase", "PhraseCache", "espeak_pcm", "resolve_voice", "synthetic_pcm"]
+
+VOICES = ("auto", "espeak-ng", "synthetic")
+
+# Words per minute for espeak-ng: its default is 175; 160 sounds like an IVR.
+ESPEAK_WPM = 160
+
+
+@dataclasses.dataclass(frozen=True)
+class Phrase:
+    text: str
+    rate: int
+    pcm: bytes  # s16le mono
+    source: str  # "espeak-ng" or "synthetic"
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.pcm).hexdigest()
+
+    @property
+    def seconds(self) -> float:
+        return len(self.pcm) / (self.rate * SAMPLE_WIDTH)
+
+
+def resolve_voice(voice: str) -> str:
+    if voice not in VOICES:
+        raise ValueError(f"unknown voice {voice!r}; choose from {VOICES}")
+    if voice == "auto":
+        return "espeak-ng" if shutil.which("espeak-ng") else "synthetic"
+    if voice == "espeak-ng" and not shutil.which("espeak-ng"):
+        raise RuntimeError("espeak-ng is not installed (apt-get install espeak-ng)")
+    return voice
+
+
+def _to_s16le(samples: array) -> bytes:
+    if sys.byteorder == "big":
+        samples = array("h", samples)
+        samples.byteswap()
+    return samples.tobytes()
+
+
+# --------------------------------------------------------------------------
+# Synthetic voice
+
+# Each letter is one 70 ms voiced segment; a space or punctuation mark is a
+# pause. At ~14 characters per second that is an ordinary speaking rate.
+_SEGMENT_S = 0.07
+_PAUSE_S = {" ": 0.07, ",": 0.2, ".": 0.35, "?": 0.35, "!": 0.35, ";": 0.25, ":": 0.25}
+
+
+def synthetic_pcm(text: str, rate: int) -> bytes:
+    """Deterministic speech-like PCM for ``text`` (s16le mono at ``rate``).
+
+    Only integer arithmetic on the output side and a fixed formula per letter,
+    so the same text gives the same bytes on every machine.
+    """
+    if rate not in SAMPLE_RATES:
+        raise ValueError(f"rate must be one of {SAMPLE_RATES}, not {rate}")
+    out = array("h")
+    seg = int(_SEGMENT_S * rate)
+    for ch in text:
+        pause = _PAUSE_S.get(ch)
+        if pause is not None or not ch.isprintable():
+            out.extend(array("h", [0]) * int((pause or _SEGMENT_S) * rate))
+            continue
+        code = ord(ch.lower())
+        f0 = 95 + (code * 37) % 130  # pitch 95..224 Hz
+        formant = 500 + (code * 113) % 1800  # a crude vowel colour
+        for i in range(seg):
+            t = i / rate
+            env = math.sin(math.pi * i / seg)  # smooth on/off, no clicks
+            v = (
+                0.55 * math.sin(2 * math.pi * f0 * t)
+                + 0.25 * math.sin(4 * math.pi * f0 * t)
+                + 0.2 * math.sin(2 * math.pi * formant * t)
+            )
+            out.append(int(round(9000 * env * v)))
+    return _to_s16le(out)
+
+
+# --------------------------------------------------------------------------
+# espeak-ng voice
+
+
+def _resample(samples: array, src: int, dst: int) -> array:
+    """Resample 16-bit samples from ``src`` Hz to ``dst`` Hz."""
+    try:
+        import numpy as np
+    except ImportError:  # linear interpolation only; aliasing, but audible
+        n = int(len(samples) * dst / src)
+        out = array("h")
+        for i in range(n):
+            pos = i * src / dst
+            j = int(pos)
+            frac = pos - j
+            a = samples[j]
+            b = samples[j + 1] if j + 1 < len(samples) else a
+            out.append(int(a + (b - a) * frac))
+        return out
+    x = np.frombuffer(samples.tobytes(), dtype=np.int16).astype(np.float64)
+    # Low-pass at 90% of the new Nyquist frequency: 101-tap windowed sinc.
+    cutoff = 0.9 * (dst / 2) / src
+    taps = np.arange(-50, 51)
+    h = 2 * cutoff * np.sinc(2 * cutoff * taps) * np.hamming(len(taps))
+    y = np.convolve(x, h / h.sum(), mode="same")
+    n = int(len(x) * dst / src)
+    z = np.interp(np.arange(n) * (src / dst), np.arange(len(y)), y)
+    return array("h", np.clip(np.round(z), -32768, 32767).astype(np.int16).tobytes())
+
+
+def espeak_pcm(text: str, rate: int) -> bytes:
+    """Speak ``text`` with espeak-ng and return s16le mono PCM at ``rate``."""
+    with tempfile.TemporaryDirectory(prefix="tts-") as tmp:
+        wav_path = Path(tmp) / "out.wav"
+        subprocess.run(
+            ["espeak-ng", "-v", "en-us", "-s", str(ESPEAK_WPM), "-w", str(wav_path), text],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        with wave.open(str(wav_path), "rb") as w:
+            if w.getsampwidth() != 2 or w.getnchannels() != 1:
+                raise RuntimeError("espeak-ng produced unexpected WAV format")
+            src_rate = w.getframerate()
+            samples = array("h")
+            samples.frombytes(w.readframes(w.getnframes()))
+    if sys.byteorder == "big":
+        samples.byteswap()
+    if src_rate != rate:
+        samples = _resample(samples, src_rate, rate)
+    return _to_s16le(samples)
+
+
+# --------------------------------------------------------------------------
+# Cache
+
+
+class PhraseCache:
+    """Synthesize each (text, rate) once; concurrent requests share the work."""
+
+    def __init__(self, voice: str = "auto") -> None:
+        self.voice = resolve_voice(voice)
+        self._phrases: dict[tuple[str, int], asyncio.Future[Phrase]] = {}
+
+    def synthesize(self, text: str, rate: int) -> Phrase:
+        """Blocking synthesis, no cache."""
+        if rate not in SAMPLE_RATES:
+            raise ValueError(f"rate must be one of {SAMPLE_RATES}, not {rate}")
+        if self.voice == "espeak-ng":
+            pcm = espeak_pcm(text, rate)
+        else:
+            pcm = synthetic_pcm(text, rate)
+        return Phrase(text, rate, pcm, self.voice)
+
+    async def get(self, text: str, rate: int) -> Phrase:
+        key = (text, rate)
+        fut = self._phrases.get(key)
+        if fut is None:
+            loop = asyncio.get_running_loop()
+            fut = loop.run_in_executor(None, self.synthesize, text, rate)
+            self._phrases[key] = fut
+            try:
+                return await asyncio.shield(fut)
+            except BaseException:
+                if fut.done() and fut.exception() is not None:
+                    del self._phrases[key]  # let a later request retry
+                raise
+        return await asyncio.shield(fut)
+
+    def __len__(self) -> int:
+        return len(self._phrases)

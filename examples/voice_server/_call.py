@@ -1,0 +1,244 @@
+"""One simulated phone call: an HTTPS TTS client plus a playout queue.
+
+A call keeps one keep-alive HTTPS connection to the TTS service. It asks for
+a prompt, queues the audio as it arrives (faster than real time), and asks
+for the next prompt when less than ``low_water_s`` of audio is left, so the
+queue holds between ~1 s and ~1 s + one prompt of audio, as a voice agent's
+queue does. The process-wide playout ticker (see ``_worker``) takes one
+20 ms frame per call per tick.
+
+The audio a call queues is exactly the ``Data`` payloads h11 hands out:
+nothing is copied or joined on the way in. Every prompt's bytes are hashed
+on arrival and checked against the service's ``x-audio-sha256`` header.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import hashlib
+import ssl
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import h11
+
+from .._common import PHRASES, SAMPLE_WIDTH
+
+if TYPE_CHECKING:
+    from ._worker import Worker
+
+__all__ = ["Call", "CallError"]
+
+# Read size for plain asyncio streams (slabnet hands out its own chunks).
+READ_SIZE = 64 * 1024
+
+
+class CallError(Exception):
+    """The TTS service answered something a call can not play."""
+
+
+class Call:
+    """Queue, connection and counters of one call. Driven by ``run()``."""
+
+    __slots__ = (
+        "index", "worker", "reader", "writer", "conn", "read", "chunks", "queued",
+        "playing", "start_at", "end_at", "wake", "waiting", "done", "first_frame_at",
+        "underruns", "frames", "late_frames", "phrases_ok", "phrases_bad",
+        "bytes_received", "bytes_dropped", "fetching", "seq", "timestamp", "ssrc", "source",
+    )
+
+    def __init__(self, index: int, worker: Worker) -> None:
+        self.index = index
+        self.worker = worker
+        self.reader: Any = None
+        self.writer: Any = None
+        self.conn = h11.Connection(h11.CLIENT)
+        self.read: Any = None
+        self.chunks: collections.deque[Any] = collections.deque()
+        self.queued = 0  # audio bytes in self.chunks
+        self.playing = False
+        self.start_at = 0.0
+        self.end_at = 0.0
+        self.wake = asyncio.Event()
+        self.waiting = False  # run() sleeps until the queue falls below low water
+        self.done = False
+        self.first_frame_at: float | None = None
+        self.underruns = 0
+        self.frames = 0
+        self.late_frames = 0
+        self.phrases_ok = 0
+        self.phrases_bad = 0
+        self.bytes_received = 0
+        self.bytes_dropped = 0  # still queued at hang-up
+        self.fetching = False
+        self.seq = index * 7919 & 0xFFFF
+        self.timestamp = index * 104729 & 0xFFFFFFFF
+        self.ssrc = 0x5AB0000 + index
+        self.source = ""
+
+    # -- connection ----------------------------------------------------------
+
+    async def connect(self) -> None:
+        cfg = self.worker.config
+        streams = self.worker.streams
+        self.reader, self.writer = await streams.open_connection(
+            cfg.tts_host, cfg.tts_port, ssl=self.worker.ssl_context,
+            server_hostname=cfg.server_hostname,
+        )
+        if cfg.impl == "slabnet":
+            self.read = self.reader.read_chunk  # one TLS read, no copy
+        else:
+            self.read = lambda: self.reader.read(READ_SIZE)
+        # One round trip so both ends have finished the handshake before the
+        # memory baseline is taken.
+        status, _ = await self._request("/v1/health")
+        if status != 200:
+            raise CallError(f"health check answered {status}")
+
+    async def hang_up(self) -> None:
+        if self.writer is None:
+            return
+        self.writer.close()
+        with contextlib.suppress(OSError, ssl.SSLError):
+            await self.writer.wait_closed()
+
+    async def _next_event(self) -> Any:
+        conn = self.conn
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            conn.receive_data(await self.read())
+
+    async def _request(self, target: str) -> tuple[int, h11.Response]:
+        """Send a GET; return the status once the response head has arrived."""
+        conn = self.conn
+        if conn.our_state is h11.DONE:
+            conn.start_next_cycle()
+        host = self.worker.config.server_hostname
+        self.writer.write(conn.send(h11.Request(
+            method="GET", target=target,
+            headers=[("host", host), ("accept", "audio/pcm"), ("user-agent", "voice-server")],
+        )))
+        self.writer.write(conn.send(h11.EndOfMessage()))
+        event = await self._next_event()
+        if isinstance(event, h11.ConnectionClosed):
+            raise CallError("TTS service closed the connection")
+        if not isinstance(event, h11.Response):
+            raise CallError(f"expected a response, got {type(event).__name__}")
+        if event.status_code != 200 or target == "/v1/health":
+            while not isinstance(await self._next_event(), h11.EndOfMessage):
+                pass
+        return event.status_code, event
+
+    # -- audio ---------------------------------------------------------------
+
+    async def fetch(self, text: str) -> None:
+        """Request one prompt and queue its audio as it streams in."""
+        cfg = self.worker.config
+        status, response = await self._request(f"/v1/speech?text={quote(text)}&rate={cfg.rate}")
+        if status != 200:
+            raise CallError(f"TTS answered {status} for {text!r}")
+        headers = dict(response.headers)
+        expect_sha = headers.get(b"x-audio-sha256", b"").decode()
+        expect_len = int(headers.get(b"x-audio-bytes", b"-1"))
+        self.source = headers.get(b"x-audio-source", b"?").decode()
+        digest = hashlib.sha256()
+        received = 0
+        chunks = self.chunks
+        worker = self.worker
+        while True:
+            event = await self._next_event()
+            if type(event) is h11.Data:
+                data = event.data
+                digest.update(data)
+                chunks.append(data)
+                n = len(data)
+                received += n
+                self.queued += n
+                worker.queued += n
+                if not self.playing and self.queued >= worker.prebuffer_bytes:
+                    self.playing = True
+            elif type(event) is h11.EndOfMessage:
+                break
+            else:
+                raise CallError(f"unexpected {type(event).__name__} in audio body")
+        self.bytes_received += received
+        hexdigest = digest.hexdigest()
+        if hexdigest == expect_sha and received == expect_len and received % SAMPLE_WIDTH == 0:
+            self.phrases_ok += 1
+            worker.digests.add((text, cfg.rate, hexdigest))
+        else:
+            self.phrases_bad += 1
+
+    def take_frame(self, size: int) -> Any:
+        """Pop exactly ``size`` bytes of audio, or None if fewer are queued."""
+        if self.queued < size:
+            return None
+        chunks = self.chunks
+        head = chunks[0]
+        n = len(head)
+        if n == size:
+            chunks.popleft()
+        elif n > size:
+            view = memoryview(head)
+            chunks[0] = view[size:]
+            head = view[:size]
+        else:
+            out = bytearray()
+            while len(out) < size:
+                piece = chunks.popleft()
+                need = size - len(out)
+                if len(piece) > need:
+                    view = memoryview(piece)
+                    chunks.appendleft(view[need:])
+                    piece = view[:need]
+                out += piece
+            head = out
+        self.queued -= size
+        self.worker.queued -= size
+        return head
+
+    def drop_queue(self) -> None:
+        self.bytes_dropped += self.queued
+        self.worker.queued -= self.queued
+        self.queued = 0
+        self.chunks.clear()
+
+    # -- life of a call ------------------------------------------------------
+
+    async def run(self) -> None:
+        """Fetch prompts until the call ends, keeping the queue above low water."""
+        loop = asyncio.get_running_loop()
+        worker = self.worker
+        low_water = worker.low_water_bytes
+        per_second = worker.config.rate * SAMPLE_WIDTH
+        await asyncio.sleep(max(0.0, self.start_at - loop.time()))
+        worker.activate(self)
+        phrase = self.index
+        try:
+            while not self.done:
+                remaining = self.end_at - loop.time()
+                if self.queued >= remaining * per_second:
+                    # Enough audio to the end of the call: wait for hang-up.
+                    self.waiting = False
+                    await self._sleep_until_woken()
+                    continue
+                if self.queued > low_water:
+                    self.waiting = True
+                    await self._sleep_until_woken()
+                    continue
+                self.fetching = True
+                await self.fetch(PHRASES[phrase % len(PHRASES)])
+                self.fetching = False
+                phrase += 1
+        finally:
+            self.done = True
+            worker.deactivate(self)
+            self.drop_queue()
+
+    async def _sleep_until_woken(self) -> None:
+        self.wake.clear()
+        await self.wake.wait()

@@ -1,0 +1,126 @@
+"""Combine per-process results into one summary, and print summaries as a table."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from .._common import percentile
+
+__all__ = ["format_progress", "format_table", "summarize"]
+
+MB = 1024 * 1024
+
+
+def summarize(results: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any]:
+    """One summary dict out of the workers' result dicts (JSON-serializable)."""
+    lag = [x for r in results for x in r["lag_ms"]]
+    first = [x for r in results for x in r["first_audio_ms"]]
+    # Sum the workers' samples taken at the same offset from the common start.
+    by_t: dict[float, list[float]] = {}
+    for r in results:
+        for t, queued, retained, pinned, lag_max in r["series"]:
+            row = by_t.setdefault(t, [0, 0, 0, 0, 0.0])
+            row[0] += 1
+            row[1] += queued
+            row[2] += retained
+            row[3] += pinned or 0
+            row[4] = max(row[4], lag_max)
+    n = len(results)
+    # (seconds since start, queued audio bytes, retained bytes, pinned bytes, max lag ms)
+    series = [tuple(row[1:]) and (t, *row[1:]) for t, row in sorted(by_t.items()) if row[0] == n]
+    peak_queued = max((s[1] for s in series), default=0)
+    peak_retained = max((s[2] for s in series), default=0)
+    has_pinned = any(r["memory_stats"] for r in results)
+    total = lambda key: sum(r[key] for r in results)  # noqa: E731
+    return {
+        **info,
+        "workers": n,
+        "calls": total("calls"),
+        "connected": total("connected"),
+        "frames": total("frames"),
+        "underruns": total("underruns"),
+        "late_frames": total("late_frames"),
+        "phrases_ok": total("phrases_ok"),
+        "phrases_bad": total("phrases_bad"),
+        "bytes_received": total("bytes_received"),
+        "bytes_played": total("bytes_played"),
+        "bytes_dropped": total("bytes_dropped"),
+        "sources": sorted({s for r in results for s in r["sources"]}),
+        "lag_p50_ms": percentile(lag, 50),
+        "lag_p99_ms": percentile(lag, 99),
+        "lag_max_ms": max(lag, default=0.0),
+        "tick_late_max_ms": max(r["tick_late_max_ms"] for r in results),
+        "first_audio_p50_ms": percentile(first, 50),
+        "first_audio_p99_ms": percentile(first, 99),
+        "connect_s": max(r["connect_s"] for r in results),
+        "talk_s": max(r["talk_s"] for r in results),
+        "rss_baseline": total("rss_baseline"),
+        "peak_queued": peak_queued,
+        "peak_retained": peak_retained,
+        "retained_ratio": peak_retained / peak_queued if peak_queued else 0.0,
+        "peak_pinned": max((s[3] for s in series), default=0) if has_pinned else None,
+        "memory_stats": [r["memory_stats"] for r in results] if has_pinned else None,
+        "series": series,
+        "digests": sorted({tuple(d) for r in results for d in r["digests"]}),
+        "errors": [e for r in results for e in r["errors"]],
+        "rtp_errors": total("rtp_errors"),
+        "underrun_log": sorted(u for r in results for u in r["underrun_log"])[:100],
+        "leftover_tasks": [t for r in results for t in r["leftover_tasks"]],
+    }
+
+
+def _mb(n: float | None) -> str:
+    return "-" if n is None else f"{n / MB:.1f} MB"
+
+
+ROWS: list[tuple[str, Any]] = [
+    ("calls connected", lambda s: f"{s['connected']}/{s['calls']}"),
+    ("workers x loop", lambda s: f"{s['workers']} x {s.get('loop', '?')}"),
+    ("audio source", lambda s: ",".join(s["sources"]) or "-"),
+    ("frames played (20 ms)", lambda s: f"{s['frames']}"),
+    ("underruns", lambda s: f"{s['underruns']}"),
+    ("late frames (>20 ms)", lambda s: f"{s['late_frames']}"),
+    ("prompts byte-exact", lambda s: f"{s['phrases_ok']}/{s['phrases_ok'] + s['phrases_bad']}"),
+    ("loop lag p50", lambda s: f"{s['lag_p50_ms']:.1f} ms"),
+    ("loop lag p99", lambda s: f"{s['lag_p99_ms']:.1f} ms"),
+    ("loop lag max", lambda s: f"{s['lag_max_ms']:.1f} ms"),
+    ("first audio p99", lambda s: f"{s['first_audio_p99_ms']:.0f} ms"),
+    ("peak queued audio", lambda s: _mb(s["peak_queued"])),
+    ("peak retained (RSS-base)", lambda s: _mb(s["peak_retained"])),
+    ("retained / queued", lambda s: f"{s['retained_ratio']:.2f}x"),
+    ("slabnet pinned (peak)", lambda s: _mb(s["peak_pinned"])),
+    ("RSS at baseline", lambda s: _mb(s["rss_baseline"])),
+    ("errors", lambda s: f"{len(s['errors']) + s['rtp_errors']}"),
+]
+
+
+def format_table(summaries: Sequence[dict[str, Any]]) -> str:
+    """Summaries side by side, one column per run."""
+    heads = [s.get("impl", "?") for s in summaries]
+    cells = [[fmt(s) for s in summaries] for _, fmt in ROWS]
+    w0 = max(len(name) for name, _ in ROWS)
+    widths = [max(len(h), *(len(row[i]) for row in cells)) for i, h in enumerate(heads)]
+    lines = ["  ".join([" " * w0, *(h.rjust(w) for h, w in zip(heads, widths))])]
+    lines.append("  ".join(["-" * w0, *("-" * w for w in widths)]))
+    for (name, _), row in zip(ROWS, cells):
+        lines.append("  ".join([name.ljust(w0), *(c.rjust(w) for c, w in zip(row, widths))]))
+    return "\n".join(lines)
+
+
+def format_progress(label: str, total_calls: int, parts: Sequence[dict[str, Any]]) -> str:
+    """One live status line from the workers' latest progress reports."""
+    if not parts:
+        return f"[{label}] connecting {total_calls} calls..."
+    t = min(p["t"] for p in parts)
+    pinned = [p["pinned"] for p in parts if p.get("pinned") is not None]
+    line = (
+        f"[{label}] t={t:4.0f}s calls={sum(p['active'] for p in parts):5d} "
+        f"underruns={sum(p['underruns'] for p in parts)} "
+        f"lag_p99={max(p['lag_p99_ms'] for p in parts):5.1f}ms "
+        f"queued={_mb(sum(p['queued'] for p in parts))} "
+        f"retained={_mb(sum(p['retained'] for p in parts))}"
+    )
+    if pinned:
+        line += f" pinned={_mb(sum(pinned))}"
+    return line
