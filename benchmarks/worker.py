@@ -1,0 +1,75 @@
+"""Child-process entry point: ``python -m benchmarks.worker JSON``.
+
+The JSON names the role (``server`` or ``client``), the scenario, the
+parameters and the certificate files.  A server gets its listening socket as
+an inherited file descriptor (the driver binds 127.0.0.1:0, so the client can
+connect while the server process is still starting).  A client prints one
+JSON object on stdout: the scenario's metrics plus ``peak_rss_mib``.
+
+Exit codes: 0 ok, 1 crash (traceback on stderr), 3 slabnet not available.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from .common import SlabnetUnavailable, peak_rss_mib
+from .core import ClientContext, Files, impl_by_name
+from .scenarios import get_scenario
+
+EXIT_UNAVAILABLE = 3
+
+
+def _loop_factory(loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    if loop == "uvloop":
+        import uvloop
+
+        return uvloop.new_event_loop
+    if loop == "asyncio":
+        return None
+    raise ValueError(f"unknown loop {loop!r}")
+
+
+def run_server(spec: dict[str, Any]) -> None:
+    scenario = get_scenario(spec["scenario"])
+    assert scenario.server is not None, f"{scenario.name} has no Python server"
+    listener = socket.socket(fileno=spec["fd"])
+    scenario.server(listener, spec["params"], Files(**spec["files"]))
+
+
+def run_client(spec: dict[str, Any]) -> dict[str, Any]:
+    scenario = get_scenario(spec["scenario"])
+    impl = impl_by_name(spec["impl"])
+    ctx = ClientContext(impl=impl, params=spec["params"], port=spec["port"], files=Files(**spec["files"]))
+    with asyncio.Runner(loop_factory=_loop_factory(impl.loop)) as runner:
+        result = runner.run(scenario.client(ctx))
+    result["peak_rss_mib"] = peak_rss_mib()
+    return result
+
+
+def main(argv: list[str]) -> int:
+    spec = json.loads(argv[1])
+    try:
+        if spec["role"] == "server":
+            run_server(spec)
+        else:
+            result = run_client(spec)
+            sys.stdout.write(json.dumps(result) + "\n")
+            sys.stdout.flush()
+    except SlabnetUnavailable as exc:
+        print(f"slabnet unavailable: {exc}", file=sys.stderr)
+        return EXIT_UNAVAILABLE
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
