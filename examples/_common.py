@@ -163,6 +163,18 @@ def rss_bytes() -> int:
         return 0
 
 
+def host_cpu_ticks() -> tuple[int, int]:
+    """(busy, total) CPU ticks of the whole machine so far, from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return (0, 0)
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return (total - idle, total)
+
+
 def memory_stats(impl: str) -> dict[str, int] | None:
     """``slabnet.memory_stats()`` as a flat dict of numbers (None for asyncio)."""
     if impl != "slabnet":

@@ -31,6 +31,7 @@ import json
 import os
 import signal
 import ssl
+from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
@@ -61,6 +62,7 @@ class ServiceConfig:
     speed: float = 5.0  # x real time
     chunk_ms: int = FRAME_MS
     reuse_port: bool = False
+    warm_rates: tuple[int, ...] = SAMPLE_RATES  # synthesize PHRASES at these rates first
 
 
 class Ticker:
@@ -242,7 +244,7 @@ class TTSService:
             ("cache-control", "no-store"),
         ]
         # No content-length: h11 frames an HTTP/1.1 response with chunked encoding.
-        writer.write(conn.send(h11.Response(status_code=200, headers=headers)))
+        writer.write(conn.send(h11.Response(status_code=200, reason=b"OK", headers=headers)))
         if not head_only:
             chunk = max(SAMPLE_WIDTH, rate * self.config.chunk_ms // 1000 * SAMPLE_WIDTH)
             per_tick = max(1, round(self.config.speed * TICK_S * 1000 / self.config.chunk_ms))
@@ -259,6 +261,7 @@ class TTSService:
 def _response(status: int, content_type: str, length: int) -> h11.Response:
     return h11.Response(
         status_code=status,
+        reason=HTTPStatus(status).phrase.encode(),
         headers=[("content-type", content_type), ("content-length", str(length))],
     )
 
@@ -269,23 +272,25 @@ async def serve(
     *,
     ready: Any = None,
     stop: asyncio.Event | None = None,
+    handle_signals: bool = True,
 ) -> TTSService:
     """Run one service process until SIGINT/SIGTERM (or ``stop`` is set).
 
-    ``ready(service)`` is called once the socket listens.
+    ``ready(service)`` is called once the socket listens and the phrase
+    cache is warm.
     """
     service = TTSService(config, ssl_context)
     loop = asyncio.get_running_loop()
     stop = stop or asyncio.Event()
     installed = []
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM) if handle_signals else ():
         with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
             installed.append(sig)
     try:
         async with service:
             # Warm the cache for the voice server's phrase list.
-            for rate in SAMPLE_RATES:
+            for rate in config.warm_rates:
                 await asyncio.gather(*(service.cache.get(p, rate) for p in PHRASES))
             if ready is not None:
                 ready(service)

@@ -53,6 +53,8 @@ def summarize(results: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any]:
         "tick_late_max_ms": max(r["tick_late_max_ms"] for r in results),
         "first_audio_p50_ms": percentile(first, 50),
         "first_audio_p99_ms": percentile(first, 99),
+        "cpu_pct": 100 * total("cpu_s") / max(1e-9, max(r["talk_s"] for r in results)),
+        "host_busy_pct": 100 * max(r["host_busy"] for r in results),
         "connect_s": max(r["connect_s"] for r in results),
         "talk_s": max(r["talk_s"] for r in results),
         "rss_baseline": total("rss_baseline"),
@@ -91,6 +93,8 @@ ROWS: list[tuple[str, Any]] = [
     ("retained / queued", lambda s: f"{s['retained_ratio']:.2f}x"),
     ("slabnet pinned (peak)", lambda s: _mb(s["peak_pinned"])),
     ("RSS at baseline", lambda s: _mb(s["rss_baseline"])),
+    ("voice server CPU", lambda s: f"{s['cpu_pct']:.0f}% of a core"),
+    ("host CPU busy (all procs)", lambda s: f"{s['host_busy_pct']:.0f}%"),
     ("errors", lambda s: f"{len(s['errors']) + s['rtp_errors']}"),
 ]
 

@@ -27,6 +27,7 @@ import asyncio
 import dataclasses
 import gc
 import os
+import resource
 import socket
 import ssl
 import struct
@@ -39,6 +40,7 @@ from .._common import (
     SAMPLE_WIDTH,
     client_ssl_context,
     frame_bytes,
+    host_cpu_ticks,
     memory_stats,
     percentile,
     pinned_bytes,
@@ -105,6 +107,8 @@ class Worker:
         self.rtp_errors = 0
         self.underrun_log: list[tuple[float, int, int, bool]] = []
         self.t0 = 0.0
+        self.cpu_s = 0.0
+        self.host_busy = 0.0
         self._rtp: socket.socket | None = None
         self._sink: socket.socket | None = None
         self._running = False
@@ -148,6 +152,8 @@ class Worker:
             call.start_at = t0 + call.index / max(1, self.total_calls) * self.config.stagger_s
             call.end_at = call.start_at + self.config.duration
 
+        usage0 = resource.getrusage(resource.RUSAGE_SELF)
+        host0 = host_cpu_ticks()
         self._running = True
         background = [
             asyncio.create_task(self._playout(t0)),
@@ -159,6 +165,10 @@ class Worker:
             if isinstance(result, BaseException):
                 self._error(f"call {call.index}", result)
         talk_s = loop.time() - t0
+        usage1 = resource.getrusage(resource.RUSAGE_SELF)
+        host1 = host_cpu_ticks()
+        self.cpu_s = (usage1.ru_utime - usage0.ru_utime) + (usage1.ru_stime - usage0.ru_stime)
+        self.host_busy = (host1[0] - host0[0]) / max(1, host1[1] - host0[1])
         self._running = False
         for task in background:
             task.cancel()
@@ -317,6 +327,8 @@ class Worker:
             "series": self.series,
             "memory_stats": memory_stats(self.config.impl),
             "rtp_errors": self.rtp_errors,
+            "cpu_s": self.cpu_s,
+            "host_busy": self.host_busy,
             "underrun_log": self.underrun_log,
             "errors": self.errors,
             "leftover_tasks": [repr(t) for t in leftover],
