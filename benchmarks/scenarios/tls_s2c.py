@@ -123,7 +123,7 @@ SCENARIO = Scenario(
     params={
         "record": [1 * KiB, 4 * KiB, 16 * KiB],
         "shape": ["a", "b"],
-        "size": [64 * MiB],
+        "size": [128 * MiB],
         "sendchunk": [256 * KiB],
         "readsize": [64 * KiB],
         "rcvbuf": [0],
