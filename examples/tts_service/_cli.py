@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing as mp
 import os
+import resource
 import signal
 import sys
 import tempfile
@@ -58,7 +59,7 @@ def _worker(args: argparse.Namespace, port: int, reuse_port: bool, status: Any) 
         status.put(("ready", service.port, service.cache.voice))
 
     service = run_loop(lambda: serve(config, ctx, ready=ready), args.loop)
-    status.put(("done", service.responses, service.errors))
+    status.put(("done", service.responses, service.errors, _cpu_s()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         voices = set()
         for _ in procs:
-            kind, _port, voice = status.get()
+            kind, _port, voice, *_ = status.get()
             voices.add(voice)
         _announce(args, port, ",".join(sorted(voices)), certs.ca)
         while not stop["flag"] and all(p.is_alive() for p in procs):
@@ -99,13 +100,15 @@ def main(argv: list[str] | None = None) -> int:
             if proc.is_alive():
                 os.kill(proc.pid, signal.SIGTERM)
         responses = errors = 0
+        cpu = 0.0
         for proc in procs:
             proc.join(10)
         while not status.empty():
-            kind, a, b = status.get()
+            kind, a, b, *c = status.get()
             if kind == "done":
                 responses += a
                 errors += b
+                cpu += c[0]
         for s, h in old.items():
             signal.signal(s, h)
         if holder is not None:
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         codes = [p.exitcode for p in procs]
         clean = all(c == 0 for c in codes)
         print(f"tts_service: stopped {'cleanly' if clean else f'with exit codes {codes}'}"
-              f" ({responses} responses, {errors} connection errors)", flush=True)
+              f" ({responses} responses, {errors} connection errors, {cpu:.1f} s CPU)", flush=True)
         return 0 if clean else 1
 
     # Single process: serve in this process.
@@ -126,8 +129,13 @@ def main(argv: list[str] | None = None) -> int:
         args.loop,
     )
     print(f"tts_service: stopped cleanly ({service.responses} responses, "
-          f"{service.errors} connection errors)", flush=True)
+          f"{service.errors} connection errors, {_cpu_s():.1f} s CPU)", flush=True)
     return 0
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _announce(args: argparse.Namespace, port: int, voice: str, ca: Path) -> None:
