@@ -65,6 +65,7 @@ the BIO and can still hand out every record before the bad one.
 from __future__ import annotations
 
 import struct
+from bisect import bisect_right
 from typing import Final
 
 from slabnet._errors import TLSRecordError
@@ -104,11 +105,15 @@ MAX_LENGTH_TLS13: Final = 2**14 + 256
 
 # Compact the record lists once this many consumed entries pile up in front
 # of them.  Any small number works; 64 keeps `del list[:n]` (a memmove of the
-# surviving pointers) rare and the lists short.  A 64 KiB read of 1 KiB
-# records adds about 64 entries.
+# surviving pointers) rare and the lists short: a 64 KiB socket read of
+# 1 KiB records adds about 64 entries.
 _COMPACT_AT: Final = 64
 
-_HEADER: Final = struct.Struct(">BBBH")
+# The weight of a record that must not be batched.  Any value above every
+# possible budget works; plaintext budgets are at most a chunk size.
+_BARRIER: Final = 1 << 62
+
+_HEADER: Final = struct.Struct(">BHH")
 
 
 class RecordScanner:
@@ -118,43 +123,63 @@ class RecordScanner:
     as it is written into the incoming BIO; in between, ask
     :meth:`next_record`, :meth:`has_complete_record` or :meth:`data_run` with
     the number of bytes OpenSSL has consumed so far (never decreasing).
+
+    For :meth:`data_run` the scanner gives every record a weight when it
+    parses the header: its plaintext bound (``length - overhead``) if it is
+    an application_data record longer than an empty one, else a barrier
+    weight larger than any budget.  A run is then found with two binary
+    searches over running sums instead of a Python loop over records.
+    :meth:`set_expansion` supplies overhead and empty size once the cipher
+    is known; until then every record is a barrier.
     """
 
     __slots__ = (
+        "fed",
         "_ends",
-        "_types",
+        "_cum",
+        "_odd",
         "_head",
         "_base",
+        "_cum_base",
+        "_total",
         "_dropped",
-        "_fed",
         "_next_header",
         "_partial",
         "_max_length",
+        "_overhead",
+        "_empty",
         "_error",
     )
 
+    #: Stream bytes accepted so far (stops in front of an invalid header).
+    #: Read-only for callers.
+    fed: int
+
     def __init__(self, max_length: int = MAX_LENGTH_TLS12) -> None:
-        # Parallel lists, one entry per parsed header: the stream offset just
-        # past the record, and its content type.  Entries before `_head` are
-        # consumed and wait for compaction.  A record starts where the one
-        # before it ends; the first stored one starts at `_base`.
+        # One entry per parsed header in `_ends` (stream offset just past the
+        # record) and `_cum` (running sum of weights, this record included).
+        # A record starts where the one before it ends; the first stored one
+        # starts at `_base`, and `_cum_base` is the sum in front of it.
+        # Entries before `_head` are consumed and wait for compaction.
         self._ends: list[int] = []
-        self._types: list[int] = []
+        self._cum: list[int] = []
+        # Content types other than application_data, by record end offset:
+        # they are rare, so data records pay for no third list.
+        self._odd: dict[int, int] = {}
         self._head = 0
         self._base = 0
+        self._cum_base = 0
+        self._total = 0  # == _cum[-1], or _cum_base when empty
         self._dropped = 0  # entries removed by compaction
-        self._fed = 0  # stream bytes accepted so far
+        self.fed = 0
         self._next_header = 0  # stream offset of the next header to parse
         self._partial = b""  # the start of a header cut short by a feed (< 5)
         self._max_length = max_length
+        self._overhead = 0
+        self._empty = _BARRIER  # nothing is batched until set_expansion()
         self._error: TLSRecordError | None = None
 
     # -- input ---------------------------------------------------------------
-
-    @property
-    def fed(self) -> int:
-        """Stream bytes accepted so far (stops in front of an invalid header)."""
-        return self._fed
 
     @property
     def error(self) -> TLSRecordError | None:
@@ -175,53 +200,75 @@ class RecordScanner:
             need = HEADER_SIZE - len(self._partial)
             if n < need:
                 self._partial += bytes(data)
-                self._fed += n
+                self.fed += n
                 return
-            offset = self._next_header
-            ctype, major, _minor, length = _HEADER.unpack(
-                self._partial + bytes(data[:need])
-            )
+            ctype, version, length = _HEADER.unpack(self._partial + bytes(data[:need]))
             self._partial = b""
-            if ctype not in _TYPE_NAMES or major != 3 or length > self._max_length:
-                self._fail(ctype, major, length, offset)
-            self._next_header = offset + HEADER_SIZE + length
-            self._ends.append(self._next_header)
-            self._types.append(ctype)
-        base = self._fed
+            self._add(ctype, version, length, self._next_header)
+        base = self.fed
         stop = base + n
         pos = self._next_header
         unpack_from = _HEADER.unpack_from
-        ends = self._ends
-        types = self._types
+        ends_append = self._ends.append
+        cum_append = self._cum.append
+        total = self._total
         limit = self._max_length
-        valid = _TYPE_NAMES
-        # The hot loop: one unpack and three tests per record.
+        empty = self._empty
+        overhead = self._overhead
+        # The hot loop: one unpack, two or three tests, two appends a record.
         while pos + HEADER_SIZE <= stop:
-            ctype, major, _minor, length = unpack_from(data, pos - base)
-            if major != 3 or length > limit or ctype not in valid:
-                self._fail(ctype, major, length, pos)
-            pos += HEADER_SIZE + length
-            ends.append(pos)
-            types.append(ctype)
+            ctype, version, length = unpack_from(data, pos - base)
+            if ctype == APPLICATION_DATA and version >> 8 == 3 and length <= limit:
+                pos += HEADER_SIZE + length
+                ends_append(pos)
+                total += length - overhead if length > empty else _BARRIER
+                cum_append(total)
+            else:
+                self._total = total
+                self._add(ctype, version, length, pos)
+                pos = self._next_header
+                total = self._total
+        self._total = total
         self._next_header = pos
-        self._fed = stop
+        self.fed = stop
         if pos < stop:
             # A header starts in this piece but does not end in it.
             self._partial = bytes(data[pos - base :])
 
-    def _fail(self, ctype: int, major: int, length: int, offset: int) -> None:
+    def _add(self, ctype: int, version: int, length: int, offset: int) -> None:
+        """Check and append one header (the slow path of :meth:`feed`)."""
         if ctype not in _TYPE_NAMES:
             problem = f"unknown content type {ctype}"
-        elif major != 3:
-            problem = f"legacy_record_version major byte {major} (must be 3)"
-        else:
+        elif version >> 8 != 3:
+            problem = (
+                f"legacy_record_version 0x{version:04x}: major byte"
+                f" {version >> 8} is not 3"
+            )
+        elif length > self._max_length:
             problem = (
                 f"{_TYPE_NAMES[ctype]} record length {length} is above the"
                 f" limit of {self._max_length} bytes"
                 f" ({_limit_reason(self._max_length)})"
             )
+        else:
+            end = offset + HEADER_SIZE + length
+            self._ends.append(end)
+            self._total += self._weight(ctype, length)
+            self._cum.append(self._total)
+            if ctype != APPLICATION_DATA:
+                self._odd[end] = ctype
+            self._next_header = end
+            return
+        self._fail(offset, problem)
+
+    def _weight(self, ctype: int, length: int) -> int:
+        if ctype == APPLICATION_DATA and length > self._empty:
+            return length - self._overhead
+        return _BARRIER
+
+    def _fail(self, offset: int, problem: str) -> None:
         # Stop for good: the bytes from here on are not a TLS stream.
-        self._fed = offset
+        self.fed = offset
         self._next_header = offset
         self._partial = b""
         self._error = TLSRecordError(
@@ -243,10 +290,38 @@ class RecordScanner:
             start = self._start_of(i)
             length = ends[i] - start - HEADER_SIZE
             if length > max_length:
-                ctype = self._types[i]
+                ctype = self._odd.get(ends[i], APPLICATION_DATA)
                 del ends[i:]
-                del self._types[i:]
-                self._fail(ctype, 3, length, start)
+                del self._cum[i:]
+                self._total = self._cum[-1] if self._cum else self._cum_base
+                self._fail(
+                    start,
+                    f"{_TYPE_NAMES[ctype]} record length {length} is above the"
+                    f" limit of {max_length} bytes ({_limit_reason(max_length)})",
+                )
+
+    def set_expansion(self, overhead: int, empty_size: int) -> None:
+        """Tell the scanner the negotiated record expansion.
+
+        `overhead` is the smallest number of bytes a record adds to its
+        plaintext, `empty_size` the length of the longest record that may
+        carry no plaintext (see ``slabnet._tls.record_overhead`` and
+        ``empty_record_size``).  Weights of unconsumed records are redone.
+        """
+        if overhead == self._overhead and empty_size == self._empty:
+            return
+        self._overhead = overhead
+        self._empty = empty_size
+        ends = self._ends
+        cum = self._cum
+        head = self._head
+        total = cum[head - 1] if head else self._cum_base
+        odd = self._odd
+        for i in range(head, len(ends)):
+            length = ends[i] - self._start_of(i) - HEADER_SIZE
+            total += self._weight(odd.get(ends[i], APPLICATION_DATA), length)
+            cum[i] = total
+        self._total = total
 
     # -- queries -------------------------------------------------------------
 
@@ -264,14 +339,16 @@ class RecordScanner:
         """Drop records that end at or before `consumed`; return the index
         of the next record (``len(self._ends)`` if no header is parsed)."""
         ends = self._ends
-        head = self._head
-        count = len(ends)
-        while head < count and ends[head] <= consumed:
-            head += 1
+        head = bisect_right(ends, consumed, self._head)
         if head >= _COMPACT_AT:
             self._base = ends[head - 1]
+            self._cum_base = self._cum[head - 1]
             del ends[:head]
-            del self._types[:head]
+            del self._cum[:head]
+            if self._odd:
+                base = self._base
+                for end in [end for end in self._odd if end <= base]:
+                    del self._odd[end]
             self._dropped += head
             head = 0
         self._head = head
@@ -290,56 +367,45 @@ class RecordScanner:
         head = self._advance(consumed)
         if head < len(self._ends):
             end = self._ends[head]
-            if end <= self._fed:
+            if end <= self.fed:
                 length = end - self._start_of(head) - HEADER_SIZE
-                return self._types[head], length
+                return self._odd.get(end, APPLICATION_DATA), length
         return None
 
     def has_complete_record(self, consumed: int) -> bool:
         """True if a complete record follows the first `consumed` bytes."""
         head = self._advance(consumed)
-        return head < len(self._ends) and self._ends[head] <= self._fed
+        return head < len(self._ends) and self._ends[head] <= self.fed
 
-    def data_run(
-        self, consumed: int, empty_size: int, overhead: int, budget: int
-    ) -> tuple[int, int, int]:
+    def data_run(self, consumed: int, budget: int) -> tuple[int, int, int]:
         """Measure the run of records that may be read into one chunk.
 
         Starting with the next record after `consumed`, take records while
-        each is complete, is application_data, is longer than `empty_size`
-        (so it cannot be empty) and its plaintext bound ``length - overhead``
-        still fits into `budget` together with the ones before it.
+        each is complete, is application_data, is longer than an empty record
+        (see :meth:`set_expansion`) and its plaintext bound still fits into
+        `budget` together with the ones before it.
 
         Returns ``(end, bound, count)``: the stream offset just past the last
         record taken (``consumed`` if none), the sum of their plaintext bounds
-        and how many records were taken.
+        and how many records were taken.  `count` is 0 when the next record
+        is complete but cannot start a run, and -1 when no complete record
+        follows `consumed` at all (so the caller needs no second query).
         """
-        head = self._advance(consumed)
         ends = self._ends
-        types = self._types
-        fed = self._fed
-        count = len(ends)
-        start = self._start_of(head)
-        end = consumed
-        bound = 0
-        taken = head
-        # Compare whole records (header included) to skip a subtraction.
-        smallest = empty_size + HEADER_SIZE
-        cost = overhead + HEADER_SIZE
-        while head < count:
-            stop = ends[head]
-            size = stop - start
-            if (
-                size <= smallest
-                or stop > fed
-                or types[head] != APPLICATION_DATA
-                or bound + size - cost > budget
-            ):
-                break
-            bound += size - cost
-            end = start = stop
-            head += 1
-        return end, bound, head - taken
+        head = bisect_right(ends, consumed, self._head)
+        if head >= _COMPACT_AT:
+            head = self._advance(consumed)
+        else:
+            self._head = head
+        complete = bisect_right(ends, self.fed, head)
+        if complete == head:
+            return consumed, 0, -1
+        cum = self._cum
+        before = cum[head - 1] if head else self._cum_base
+        stop = bisect_right(cum, before + budget, head, complete)
+        if stop == head:
+            return consumed, 0, 0
+        return ends[stop - 1], cum[stop - 1] - before, stop - head
 
 
 def _limit_reason(limit: int) -> str:
