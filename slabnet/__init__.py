@@ -21,7 +21,7 @@ from ._streams import (
     start_server,
     start_unix_server,
 )
-# TLS: see below
+from ._tls import TLSEngine, TLSState
 from ._transport import ChunkProtocol, SlabProtocol, SlabTransport, get_pool, get_slab
 from ._write import WriteRequest
 
@@ -53,8 +53,3 @@ __all__ = [
     "start_server",
     "start_unix_server",
 ]
-
-try:  # the TLS engine lands separately; plain TCP works without it
-    from ._tls import TLSEngine, TLSState
-except ImportError:  # pragma: no cover
-    __all__ = [n for n in __all__ if n not in ("TLSEngine", "TLSState")]

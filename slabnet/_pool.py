@@ -85,16 +85,16 @@ class BufferPool:
             raise ValueError(f"cannot allocate {nbytes} bytes")
         if nbytes >= self._pool_size >> 1:
             return memoryview(bytearray(nbytes))
-        pool = self._pool
         off = self._offset
-        if pool is None or off + nbytes > self._pool_size:
-            pool = self._new_pool()
+        if self._pool is None or off + nbytes > self._pool_size:
+            # No local reference to the pool here: _new_pool counts them.
+            self._new_pool()
             off = 0
         end = off + nbytes
         self._offset = (end + _ALIGN - 1) & -_ALIGN
-        return memoryview(pool)[off:end]
+        return memoryview(self._pool)[off:end]  # type: ignore[arg-type]
 
-    def _new_pool(self) -> _Slab:
+    def _new_pool(self) -> None:
         old = self._pool
         if old is not None and len(old) == self._pool_size:
             # Reuse the exhausted pool if no region of it is alive. ``old`` is
@@ -102,14 +102,13 @@ class BufferPool:
             if _live_views(old, 1) == 0:
                 self.pools_reused += 1
                 self._offset = 0
-                return old
+                return
         del old
         pool = _Slab(self._pool_size)
         pool.cached = 0
         self._pool = pool
         self._offset = 0
         self.pools_allocated += 1
-        return pool
 
     @property
     def offset(self) -> int:

@@ -177,7 +177,7 @@ def memory_stats() -> MemoryStats:
                     live_chunks += length
         else:
             idle += size
-    del slabs, slab
+    del slabs
     c = _counters
     return MemoryStats(
         slabs_live=len(_all_slabs),

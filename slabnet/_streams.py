@@ -525,7 +525,6 @@ class _StreamProtocol(ChunkProtocol):
                     waiter.set_result(None)
                 else:
                     waiter.set_exception(exc)
-        self._drain_waiters.clear()
         self._task = None
 
     def pause_writing(self) -> None:

@@ -1,0 +1,214 @@
+"""ReadSlab and BufferPool: sans-IO policy tests (no sockets, no loop)."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import slabnet
+from slabnet import BufferPool, ReadSlab
+
+SLAB = 65536
+
+
+def fill(view: memoryview, data: bytes) -> None:
+    view[: len(data)] = data
+
+
+def test_selector_hint_reserves_a_whole_slab_and_hands_out_a_view() -> None:
+    slab = ReadSlab()
+    buf = slab.reserve(-1)
+    assert len(buf) == SLAB and not buf.readonly
+    fill(buf, b"x" * 60000)
+    chunk = slab.commit(60000)
+    assert chunk.readonly
+    assert len(chunk) == 60000
+    # Zero copy: the chunk is a view of the slab, not an exact-size buffer.
+    assert isinstance(chunk.obj, bytearray) and len(chunk.obj) == SLAB
+
+
+def test_read_wasting_more_than_a_quarter_is_copied_and_rewinds() -> None:
+    slab = ReadSlab()
+    before = slabnet.memory_stats()
+    buf = slab.reserve(65536)
+    fill(buf, b"a" * 100)
+    chunk = slab.commit(100)
+    assert bytes(chunk) == b"a" * 100
+    assert isinstance(chunk.obj, bytes) and len(chunk.obj) == 100
+    # The slab was rewound: the next reservation starts at the same place.
+    buf2 = slab.reserve(65536)
+    assert len(buf2) == SLAB
+    fill(buf2, b"b" * 65536)
+    chunk2 = slab.commit(65536)
+    assert bytes(chunk) == b"a" * 100  # the copy is independent of the slab
+    assert bytes(chunk2) == b"b" * 65536
+    after = slabnet.memory_stats()
+    assert after.copies == before.copies + 1
+    assert after.zero_copy_reads == before.zero_copy_reads + 1
+
+
+def test_exactly_three_quarters_is_not_copied() -> None:
+    slab = ReadSlab()
+    buf = slab.reserve(-1)
+    fill(buf, b"z" * (SLAB * 3 // 4))
+    chunk = slab.commit(SLAB * 3 // 4)
+    assert isinstance(chunk.obj, bytearray)
+    buf = slab.reserve(-1)
+    chunk2 = slab.commit(SLAB * 3 // 4 - 1)
+    assert isinstance(chunk2.obj, bytes)
+    del buf
+
+
+def test_small_hint_owns_an_exact_size_buffer() -> None:
+    # Seed 000: a read suggested smaller than the slab never shares one.
+    slab = ReadSlab()
+    buf = slab.reserve(320)
+    assert len(buf) == 320
+    fill(buf, b"r" * 320)
+    chunk = slab.commit(320)
+    assert len(chunk.obj) == len(chunk) == 320
+
+
+def test_idle_slab_is_recycled_not_reallocated() -> None:
+    slab = ReadSlab()
+    before = slabnet.memory_stats()
+    for _ in range(100):
+        buf = slab.reserve(-1)
+        fill(buf, b"q" * SLAB)
+        del buf
+        chunk = slab.commit(SLAB)
+        del chunk
+    after = slabnet.memory_stats()
+    assert after.slabs_allocated - before.slabs_allocated <= 2
+    assert after.slabs_recycled - before.slabs_recycled >= 98
+
+
+def test_kept_chunk_pins_its_slab_and_stats_say_so() -> None:
+    gc.collect()
+    base = slabnet.memory_stats()
+    slab = ReadSlab()
+    buf = slab.reserve(-1)
+    fill(buf, b"k" * 50000)
+    kept = slab.commit(50000)[10:20]  # a slice keeps the slab alive too
+    del buf
+    for _ in range(10):
+        b = slab.reserve(-1)
+        fill(b, b"n" * SLAB)
+        del b
+        slab.commit(SLAB)
+    stats = slabnet.memory_stats()
+    # The kept slice pins a full slab; it is reported as pinned.
+    assert stats.pinned_bytes - base.pinned_bytes >= SLAB
+    assert bytes(kept) == b"k" * 10
+    del kept
+    gc.collect()
+    assert slabnet.memory_stats().pinned_bytes <= base.pinned_bytes
+
+
+def test_commit_without_reserve_and_bad_sizes_raise() -> None:
+    slab = ReadSlab()
+    with pytest.raises(RuntimeError, match="without a pending reserve"):
+        slab.commit(1)
+    slab.reserve(-1)
+    with pytest.raises(ValueError, match="65537 bytes of a 65536-byte"):
+        slab.commit(65537)
+    with pytest.raises(ValueError):
+        ReadSlab(0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.sampled_from([-1, 65536, 1024, 320, 100000]),
+            st.integers(min_value=1, max_value=65536),
+            st.booleans(),
+        ),
+        min_size=1,
+        max_size=60,
+    )
+)
+def test_property_kept_chunks_never_change_and_bytes_come_in_order(
+    reads: list[tuple[int, int, bool]],
+) -> None:
+    slab = ReadSlab()
+    kept: list[tuple[memoryview, bytes]] = []
+    stream = bytearray()
+    out = bytearray()
+    counter = 0
+    for hint, want, keep in reads:
+        buf = slab.reserve(hint)
+        n = min(want, len(buf))
+        data = bytes((counter + i) % 251 for i in range(n))
+        counter += n
+        buf[:n] = data
+        del buf
+        chunk = slab.commit(n)
+        stream += data
+        out += chunk
+        assert chunk.readonly
+        if keep:
+            kept.append((chunk, data))
+        del chunk
+        for view, expected in kept:
+            assert view == expected
+    assert out == stream
+
+
+def test_pool_carves_small_allocations_aligned() -> None:
+    pool = BufferPool()
+    a = pool.alloc(5)
+    b = pool.alloc(100)
+    assert len(a) == 5 and len(b) == 100
+    assert a.obj is b.obj  # same pool
+    assert pool.offset % 8 == 0
+    a[:] = b"hello"
+    b[:] = b"x" * 100
+    assert bytes(a) == b"hello"
+
+
+def test_pool_threshold_is_strictly_below_half() -> None:
+    pool = BufferPool(pool_size=65536)
+    assert pool.small_limit == 32768
+    small = pool.alloc(32767)
+    big = pool.alloc(32768)
+    assert len(small.obj) == 65536
+    assert len(big.obj) == 32768  # its own buffer
+
+
+def test_pool_size_is_settable_and_new_pool_when_exhausted() -> None:
+    pool = BufferPool(pool_size=64)
+    assert pool.small_limit == 32
+    first = pool.alloc(30)  # 0..30, next offset aligned to 32
+    second = pool.alloc(30)  # 32..62, next offset 64: pool exhausted
+    third = pool.alloc(30)
+    assert first.obj is second.obj
+    assert third.obj is not first.obj
+    pool.pool_size = 8192
+    assert pool.small_limit == 4096
+    with pytest.raises(ValueError):
+        pool.pool_size = 3
+
+
+def test_pool_reuses_an_exhausted_pool_whose_regions_are_gone() -> None:
+    pool = BufferPool(pool_size=1024)
+    for _ in range(100):
+        r = pool.alloc(500)
+        r[:] = b"p" * 500
+        del r
+    assert pool.pools_allocated <= 2
+    assert pool.pools_reused >= 40
+
+
+def test_pool_never_reuses_a_pool_with_a_live_region() -> None:
+    pool = BufferPool(pool_size=1024)
+    kept = pool.alloc(500)
+    kept[:] = b"K" * 500
+    for _ in range(50):
+        r = pool.alloc(500)
+        r[:] = b"o" * 500
+        del r
+    assert bytes(kept) == b"K" * 500
