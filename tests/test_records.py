@@ -1,0 +1,268 @@
+"""Tests for the TLS record header scanner (slabnet._records)."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from slabnet._errors import TLSRecordError
+from slabnet._records import (
+    ALERT,
+    APPLICATION_DATA,
+    HANDSHAKE,
+    HEADER_SIZE,
+    MAX_LENGTH_TLS12,
+    MAX_LENGTH_TLS13,
+    RecordScanner,
+)
+
+
+def record(ctype: int, length: int, version: int = 0x0303, fill: int = 0xAB) -> bytes:
+    return struct.pack(">BHH", ctype, version, length) + bytes([fill]) * length
+
+
+RECORDS = [
+    (HANDSHAKE, 40),
+    (APPLICATION_DATA, 100),
+    (APPLICATION_DATA, 0),
+    (ALERT, 2),
+    (APPLICATION_DATA, 300),
+]
+STREAM = b"".join(record(t, n) for t, n in RECORDS)
+
+
+def walk(
+    scanner: RecordScanner, stream_len: int, start: int = 0
+) -> list[tuple[int, int]]:
+    """Pretend OpenSSL consumes record by record from `start` (consumed
+    never goes back); collect what the scanner reports at each boundary."""
+    seen = []
+    consumed = start
+    while True:
+        rec = scanner.next_record(consumed)
+        if rec is None:
+            break
+        seen.append(rec)
+        consumed += HEADER_SIZE + rec[1]
+    assert consumed <= stream_len
+    return seen
+
+
+def test_whole_feed() -> None:
+    sc = RecordScanner()
+    sc.feed(STREAM)
+    assert sc.fed == len(STREAM)
+    assert sc.next_record(0) == RECORDS[0]
+    assert sc.records_consumed == 0
+    assert walk(sc, len(STREAM)) == RECORDS
+    assert sc.records_consumed == len(RECORDS)
+    assert sc.buffered_records == 0
+
+
+def test_byte_by_byte() -> None:
+    sc = RecordScanner()
+    for i in range(len(STREAM)):
+        sc.feed(STREAM[i : i + 1])
+        assert sc.fed == i + 1
+    assert walk(sc, len(STREAM)) == RECORDS
+
+
+@pytest.mark.parametrize("cut", range(len(STREAM) + 1))
+def test_split_at_every_offset(cut: int) -> None:
+    sc = RecordScanner()
+    sc.feed(memoryview(STREAM)[:cut])
+    # Records that end within the first piece are complete already.
+    complete = []
+    off = 0
+    for t, n in RECORDS:
+        if off + HEADER_SIZE + n <= cut:
+            complete.append((t, n))
+        off += HEADER_SIZE + n
+    assert walk(sc, cut) == complete
+    sc.feed(bytearray(STREAM[cut:]))
+    start = sum(HEADER_SIZE + n for _, n in complete)
+    assert complete + walk(sc, len(STREAM), start) == RECORDS
+
+
+def test_trailing_partial_header_and_body() -> None:
+    sc = RecordScanner()
+    tail = record(APPLICATION_DATA, 50)
+    for extra in (tail[:3], tail[:HEADER_SIZE], tail[:20]):
+        sc = RecordScanner()
+        sc.feed(STREAM + extra)
+        assert walk(sc, len(STREAM)) == RECORDS
+        # The trailing record is not complete: not reported.
+        assert sc.next_record(len(STREAM)) is None
+        assert not sc.has_complete_record(len(STREAM))
+        sc.feed(tail[len(extra) :])
+        assert sc.next_record(len(STREAM)) == (APPLICATION_DATA, 50)
+
+
+def test_consumed_inside_a_record() -> None:
+    # OpenSSL pulled the header but the body was missing: consumed sits
+    # inside the record, which is still "the next record".
+    sc = RecordScanner()
+    rec = record(APPLICATION_DATA, 64)
+    sc.feed(rec[:10])
+    assert sc.next_record(HEADER_SIZE) is None
+    sc.feed(rec[10:])
+    assert sc.next_record(HEADER_SIZE) == (APPLICATION_DATA, 64)
+    assert sc.next_record(len(rec)) is None
+
+
+@pytest.mark.parametrize(
+    ("header", "words"),
+    [
+        (struct.pack(">BHH", 0x80, 0x0303, 10), ["unknown content type 128"]),
+        (struct.pack(">BHH", 24, 0x0303, 10), ["unknown content type 24"]),
+        (struct.pack(">BHH", 19, 0x0303, 10), ["unknown content type 19"]),
+        (struct.pack(">BHH", 23, 0x0203, 10), ["legacy_record_version", "0x0203"]),
+        (struct.pack(">BHH", 22, 0x0403, 10), ["major byte 4"]),
+        (
+            struct.pack(">BHH", 23, 0x0303, MAX_LENGTH_TLS12 + 1),
+            [f"length {MAX_LENGTH_TLS12 + 1}", "RFC 5246"],
+        ),
+    ],
+)
+@pytest.mark.parametrize("split", [False, True])
+def test_invalid_header(header: bytes, words: list[str], split: bool) -> None:
+    good = record(HANDSHAKE, 30) + record(APPLICATION_DATA, 20)
+    sc = RecordScanner()
+    data = good + header + b"\x00" * 12
+    with pytest.raises(TLSRecordError) as info:
+        if split:
+            # The bad header arrives cut in two.
+            sc.feed(data[: len(good) + 2])
+            sc.feed(data[len(good) + 2 :])
+        else:
+            sc.feed(data)
+    message = str(info.value)
+    assert f"offset {len(good)}" in message
+    for word in words:
+        assert word in message
+    assert sc.fed == len(good)  # only the valid prefix was accepted
+    assert sc.error is info.value
+    # The records in front of the bad header stay readable.
+    assert walk(sc, len(good)) == [(HANDSHAKE, 30), (APPLICATION_DATA, 20)]
+    with pytest.raises(TLSRecordError):
+        sc.feed(b"more")
+
+
+def test_length_limits() -> None:
+    sc = RecordScanner()
+    sc.feed(record(APPLICATION_DATA, MAX_LENGTH_TLS12))  # exactly the limit is fine
+    assert sc.next_record(0) == (APPLICATION_DATA, MAX_LENGTH_TLS12)
+    sc = RecordScanner(MAX_LENGTH_TLS13)
+    sc.feed(record(APPLICATION_DATA, MAX_LENGTH_TLS13))
+    with pytest.raises(TLSRecordError, match="RFC 8446"):
+        sc.feed(record(APPLICATION_DATA, MAX_LENGTH_TLS13 + 1))
+
+
+def test_set_max_length_rechecks_buffered_records() -> None:
+    sc = RecordScanner()
+    first = record(APPLICATION_DATA, 100)
+    sc.feed(first + record(APPLICATION_DATA, MAX_LENGTH_TLS13 + 10))
+    with pytest.raises(TLSRecordError, match=f"offset {len(first)}"):
+        sc.set_max_length(MAX_LENGTH_TLS13)
+    assert sc.fed == len(first)
+    assert sc.next_record(0) == (APPLICATION_DATA, 100)
+    assert sc.next_record(len(first)) is None
+
+
+def test_data_run() -> None:
+    sc = RecordScanner()
+    stream = (
+        record(APPLICATION_DATA, 1040)
+        + record(APPLICATION_DATA, 1040)
+        + record(APPLICATION_DATA, 17)  # may be empty (TLS 1.3 overhead)
+        + record(APPLICATION_DATA, 1040)
+        + record(HANDSHAKE, 100)
+        + record(APPLICATION_DATA, 1040)
+    )
+    sc.feed(stream)
+    # Before set_expansion nothing is batchable.
+    assert sc.data_run(0, 16384)[2] == 0
+    sc.set_expansion(17, 17)
+    rec = HEADER_SIZE + 1040
+    assert sc.data_run(0, 16384) == (2 * rec, 2 * (1040 - 17), 2)
+    # The budget limits the run.
+    assert sc.data_run(0, 1040 - 17) == (rec, 1040 - 17, 1)
+    assert sc.data_run(0, 1000)[2] == 0
+    # The short record stops it; past it, the handshake record does.
+    after_short = 2 * rec + HEADER_SIZE + 17
+    assert sc.data_run(after_short, 16384) == (after_short + rec, 1023, 1)
+    hs_start = after_short + rec
+    assert sc.data_run(hs_start, 16384)[2] == 0
+    last = hs_start + HEADER_SIZE + 100
+    assert sc.data_run(last, 16384) == (last + rec, 1023, 1)
+    # Nothing complete left.
+    assert sc.data_run(len(stream), 16384)[2] == -1
+    sc.feed(record(APPLICATION_DATA, 1040)[:100])
+    assert sc.data_run(len(stream), 16384)[2] == -1
+
+
+def test_bookkeeping_stays_bounded() -> None:
+    sc = RecordScanner()
+    sc.set_expansion(17, 17)
+    rec = record(APPLICATION_DATA, 1000)
+    consumed = 0
+    for i in range(5000):
+        sc.feed(rec if i % 7 else rec + record(HANDSHAKE, 10))
+        while sc.next_record(consumed) is not None:
+            consumed += HEADER_SIZE + sc.next_record(consumed)[1]  # type: ignore[index]
+        assert sc.buffered_records <= 2
+        assert len(sc._ends) <= 70 and len(sc._cum) <= 70
+        assert len(sc._odd) <= 70
+    assert sc.records_consumed == 5000 + (5000 // 7 + 1)
+
+
+def reference_parse(stream: bytes) -> tuple[list[tuple[int, int]], int | None]:
+    """Straightforward parser: complete records and the offset of the first
+    invalid header (None if none)."""
+    out = []
+    pos = 0
+    while pos + HEADER_SIZE <= len(stream):
+        ctype, version, length = struct.unpack_from(">BHH", stream, pos)
+        if ctype not in (20, 21, 22, 23) or version >> 8 != 3 or length > MAX_LENGTH_TLS12:
+            return out, pos
+        if pos + HEADER_SIZE + length > len(stream):
+            break
+        out.append((ctype, length))
+        pos += HEADER_SIZE + length
+    return out, None
+
+
+record_st = st.tuples(st.sampled_from([20, 21, 22, 23]), st.integers(0, 300)).map(
+    lambda tl: record(*tl)
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.one_of(record_st, st.binary(max_size=12)), max_size=12),
+    cuts=st.lists(st.integers(0, 4000), max_size=8),
+)
+def test_property_arbitrary_bytes(parts: list[bytes], cuts: list[int]) -> None:
+    stream = b"".join(parts)
+    expected, bad = reference_parse(stream)
+    sc = RecordScanner()
+    points = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
+    error = None
+    for a, b in zip(points, points[1:]):
+        try:
+            sc.feed(stream[a:b])
+        except TLSRecordError as exc:  # the only error it may raise
+            error = exc
+            break
+    if bad is None:
+        assert error is None
+    else:
+        assert error is not None and f"offset {bad}" in str(error)
+        assert sc.fed == bad
+    got = walk(sc, len(stream))
+    assert got == expected[: len(got)]
+    # Every complete record before the bad header is reported.
+    assert len(got) == len(expected)
