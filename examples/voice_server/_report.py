@@ -58,6 +58,8 @@ def summarize(results: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any]:
         "connect_s": max(r["connect_s"] for r in results),
         "talk_s": max(r["talk_s"] for r in results),
         "rss_baseline": total("rss_baseline"),
+        "rss_per_connection": (total("rss_baseline") - total("rss_start"))
+        / max(1, total("connected")),
         "peak_queued": peak_queued,
         "peak_retained": peak_retained,
         "retained_ratio": peak_retained / peak_queued if peak_queued else 0.0,
@@ -93,6 +95,7 @@ ROWS: list[tuple[str, Any]] = [
     ("retained / queued", lambda s: f"{s['retained_ratio']:.2f}x"),
     ("slabnet pinned (peak)", lambda s: _mb(s["peak_pinned"])),
     ("RSS at baseline", lambda s: _mb(s["rss_baseline"])),
+    ("RSS per connection", lambda s: f"{s['rss_per_connection'] / 1024:.0f} KB"),
     ("voice server CPU", lambda s: f"{s['cpu_pct']:.0f}% of a core"),
     ("host CPU busy (all procs)", lambda s: f"{s['host_busy_pct']:.0f}%"),
     ("errors", lambda s: f"{len(s['errors']) + s['rtp_errors']}"),

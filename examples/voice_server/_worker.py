@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-1. Connect: every call opens its HTTPS connection and makes one health
-   request, at most ``CONNECT_CONCURRENCY`` handshakes at a time.
+1. Connect: every call opens its HTTPS connection, makes one health
+   request and streams one short warm-up prompt that it checks and drops,
+   at most ``CONNECT_CONCURRENCY`` calls at a time.
 2. Baseline: after a ``gc.collect()`` the process's RSS is recorded. From here
    on, "retained" memory is RSS minus that baseline, so connection setup is
    not counted against the audio. (With several processes they first meet at
@@ -126,6 +127,8 @@ class Worker:
     async def run(self) -> dict[str, Any]:
         loop = asyncio.get_running_loop()
         t_begin = time.monotonic()
+        gc.collect()
+        rss_start = rss_bytes()
         self._open_rtp()
         sem = asyncio.Semaphore(CONNECT_CONCURRENCY)
 
@@ -179,7 +182,7 @@ class Worker:
                 self._error(f"hang up call {call.index}", result)
         self._close_rtp()
         leftover = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-        return self._result(len(connected), connect_s, talk_s, baseline, leftover)
+        return self._result(len(connected), connect_s, talk_s, rss_start, baseline, leftover)
 
     def _error(self, what: str, exc: BaseException) -> None:
         self.errors.append(f"{what}: {type(exc).__name__}: {exc}")
@@ -297,7 +300,8 @@ class Worker:
                 })
 
     def _result(
-        self, connected: int, connect_s: float, talk_s: float, baseline: int, leftover: list[Any]
+        self, connected: int, connect_s: float, talk_s: float, rss_start: int, baseline: int,
+        leftover: list[Any],
     ) -> dict[str, Any]:
         calls = self.calls
         first_audio_ms = [
@@ -323,6 +327,7 @@ class Worker:
             "first_audio_ms": first_audio_ms,
             "lag_ms": self.lag_ms,
             "tick_late_max_ms": self.tick_late_max_ms,
+            "rss_start": rss_start,
             "rss_baseline": baseline,
             "series": self.series,
             "memory_stats": memory_stats(self.config.impl),
