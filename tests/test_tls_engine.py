@@ -1,0 +1,989 @@
+"""Tests for the sans-IO TLS engine (slabnet._tls).
+
+No event loop: two engines joined in memory, and the engine driven over a
+plain blocking socket against real ``openssl s_server`` / ``s_client``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import ssl
+import struct
+import subprocess
+import threading
+import time
+import tracemalloc
+from collections.abc import Iterator
+
+import pytest
+import trustme
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from slabnet._errors import TLSRecordError, TLSTruncatedError
+from slabnet._tls import (
+    MAX_FRAGMENT,
+    TLSEngine,
+    TLSState,
+    empty_record_size,
+    record_overhead,
+)
+
+VERSIONS = [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3]
+VERSION_IDS = ["tls12", "tls13"]
+HOST = "example.test"
+
+
+# ---------------------------------------------------------------------------
+# fixtures and helpers
+# ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ca() -> trustme.CA:
+    return trustme.CA()
+
+
+@pytest.fixture(scope="module")
+def server_cert(ca: trustme.CA) -> trustme.LeafCert:
+    return ca.issue_cert(HOST, "localhost", "127.0.0.1")
+
+
+def contexts(
+    ca: trustme.CA, cert: trustme.LeafCert, version: ssl.TLSVersion
+) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    sctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(sctx)
+    cctx = ssl.create_default_context()
+    ca.configure_trust(cctx)
+    for ctx in (sctx, cctx):
+        ctx.minimum_version = version
+        ctx.maximum_version = version
+    return cctx, sctx
+
+
+@pytest.fixture(params=VERSIONS, ids=VERSION_IDS)
+def ctxs(
+    request: pytest.FixtureRequest, ca: trustme.CA, server_cert: trustme.LeafCert
+) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    return contexts(ca, server_cert, request.param)
+
+
+def handshake(c: TLSEngine, s: TLSEngine) -> None:
+    cdone = sdone = False
+    for _ in range(10):
+        cdone = c.do_handshake() or cdone
+        s.receive_data(c.data_to_send())
+        sdone = s.do_handshake() or sdone
+        c.receive_data(s.data_to_send())
+        if cdone and sdone:
+            break
+    assert cdone and sdone
+    assert c.state is TLSState.OPEN and s.state is TLSState.OPEN
+
+
+def make_pair(
+    ctxs: tuple[ssl.SSLContext, ssl.SSLContext], **kw: object
+) -> tuple[TLSEngine, TLSEngine]:
+    cctx, sctx = ctxs
+    c = TLSEngine(cctx, server_hostname=HOST, **kw)  # type: ignore[arg-type]
+    s = TLSEngine(sctx, server_side=True)
+    handshake(c, s)
+    # Let the client process session tickets (TLS 1.3) right away.
+    assert c.read_chunk() is None
+    return c, s
+
+
+def drain(e: TLSEngine) -> list[memoryview]:
+    chunks = []
+    while (chunk := e.read_chunk()) is not None:
+        if not chunk:
+            break
+        check_chunk(chunk, e)
+        chunks.append(chunk)
+    return chunks
+
+
+def check_chunk(chunk: memoryview, e: TLSEngine) -> None:
+    assert chunk.readonly
+    assert len(chunk.obj) == len(chunk) == chunk.nbytes  # type: ignore[arg-type]
+    assert 0 < len(chunk) <= e._max_chunk
+
+
+def split_records(ciphertext: bytes) -> list[bytes]:
+    out = []
+    pos = 0
+    while pos < len(ciphertext):
+        (length,) = struct.unpack_from(">H", ciphertext, pos + 3)
+        out.append(ciphertext[pos : pos + 5 + length])
+        pos += 5 + length
+    return out
+
+
+# ---------------------------------------------------------------------------
+# record expansion helper
+# ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "cipher", "empty", "overhead"),
+    [
+        ("TLSv1.3", "TLS_AES_128_GCM_SHA256", 17, 17),
+        ("TLSv1.3", "TLS_AES_256_GCM_SHA384", 17, 17),
+        ("TLSv1.3", "TLS_CHACHA20_POLY1305_SHA256", 17, 17),
+        ("TLSv1.3", "TLS_AES_128_CCM_8_SHA256", 9, 9),
+        ("TLSv1.2", "ECDHE-RSA-AES128-GCM-SHA256", 24, 24),
+        ("TLSv1.2", "ECDHE-ECDSA-AES256-GCM-SHA384", 24, 24),
+        ("TLSv1.2", "ECDHE-RSA-CHACHA20-POLY1305", 16, 16),
+        ("TLSv1.2", "ECDHE-ECDSA-AES128-CCM8", 16, 16),
+        ("TLSv1.2", "ECDHE-ECDSA-AES128-CCM", 24, 24),
+        # CBC: IV 16 + MAC 20 + up to 256 bytes of padding; at least 1.
+        ("TLSv1.2", "ECDHE-RSA-AES128-SHA", 16 + 20 + 256, 16 + 20 + 1),
+        ("TLSv1.2", "ECDHE-RSA-AES256-SHA384", 16 + 48 + 256, 16 + 48 + 1),
+        ("TLSv1.2", "AES128-SHA256", 16 + 32 + 256, 16 + 32 + 1),
+        ("TLSv1.2", "DES-CBC3-SHA", 8 + 20 + 256, 8 + 20 + 1),
+        ("TLSv1", "ECDHE-RSA-AES128-SHA", 20 + 256, 20 + 1),  # implicit IV
+        ("TLSv1.2", "NULL-SHA256", 32, 32),
+        ("TLSv1.2", "MYSTERY-CIPHER", 2**14 + 2048, 0),
+    ],
+)
+def test_empty_record_size(version: str, cipher: str, empty: int, overhead: int) -> None:
+    assert empty_record_size(version, cipher) == empty
+    assert record_overhead(version, cipher) == overhead
+
+
+@pytest.mark.parametrize("version", VERSIONS, ids=VERSION_IDS)
+def test_empty_record_size_matches_openssl(
+    version: ssl.TLSVersion, ca: trustme.CA, server_cert: trustme.LeafCert
+) -> None:
+    # An AEAD record carrying n bytes is exactly n + overhead long on the
+    # wire, which is what the engine sizes its buffers from.
+    c, s = make_pair(contexts(ca, server_cert, version))
+    name = c.ssl_object.cipher()[0]  # type: ignore[index]
+    ver = c.ssl_object.version()
+    assert ver is not None
+    for n in (1, 100, 1000):
+        s.write(b"x" * n)
+        (rec,) = split_records(s.data_to_send())
+        assert len(rec) - 5 - n == record_overhead(ver, name)
+        assert empty_record_size(ver, name) == record_overhead(ver, name)
+
+
+# ---------------------------------------------------------------------------
+# handshake
+# ---------------------------------------------------------------------------
+
+
+def test_handshake_and_extra_info(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    cctx, sctx = ctxs
+    cctx.set_alpn_protocols(["h2", "http/1.1"])
+    sctx.set_alpn_protocols(["http/1.1"])
+    seen_sni: list[str | None] = []
+
+    def sni(obj: object, name: str | None, ctx: ssl.SSLContext) -> None:
+        seen_sni.append(name)
+
+    sctx.sni_callback = sni  # type: ignore[assignment]
+    c = TLSEngine(cctx, server_hostname=HOST)
+    s = TLSEngine(sctx, server_side=True)
+    assert c.state is TLSState.HANDSHAKING
+    assert c.read_chunk() is None  # nothing to read during the handshake
+    assert c.get_extra_info("cipher") is None
+    handshake(c, s)
+    assert seen_sni == [HOST]
+    assert c.get_extra_info("alpn_protocol") == "http/1.1"
+    assert c.get_extra_info("ssl_object") is c.ssl_object
+    assert c.get_extra_info("sslcontext") is cctx
+    peercert = c.get_extra_info("peercert")
+    assert isinstance(peercert, dict)
+    assert ("DNS", HOST) in peercert["subjectAltName"]
+    assert isinstance(c.get_extra_info("peercert_bin"), bytes)
+    cipher = c.get_extra_info("cipher")
+    assert isinstance(cipher, tuple) and cipher[1] == c.ssl_object.version()
+    assert c.get_extra_info("compression") is None
+    assert c.get_extra_info("nonexistent", "dflt") == "dflt"
+    assert c.do_handshake() is True  # idempotent
+
+
+def test_handshake_cert_error_passes_through(
+    ctxs: tuple[ssl.SSLContext, ssl.SSLContext],
+) -> None:
+    cctx, sctx = ctxs
+    c = TLSEngine(cctx, server_hostname="wrong.test")
+    s = TLSEngine(sctx, server_side=True)
+    with pytest.raises(ssl.SSLCertVerificationError):
+        handshake(c, s)
+    assert c.state is TLSState.BROKEN
+    with pytest.raises(ssl.SSLCertVerificationError):
+        c.do_handshake()  # the same error again
+    with pytest.raises(ssl.SSLCertVerificationError):
+        c.write(b"x")
+
+
+def test_handshake_eof_and_garbage(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    cctx, _ = ctxs
+    c = TLSEngine(cctx, server_hostname=HOST)
+    assert c.do_handshake() is False
+    c.receive_eof()
+    with pytest.raises(TLSTruncatedError, match="during the TLS handshake"):
+        c.do_handshake()
+    assert c.state is TLSState.BROKEN
+
+    c = TLSEngine(cctx, server_hostname=HOST)
+    assert c.do_handshake() is False
+    c.receive_data(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+    with pytest.raises(TLSRecordError, match="offset 0: unknown content type 72"):
+        c.do_handshake()
+    assert c.state is TLSState.BROKEN
+
+
+def test_session_resumption(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    cctx, sctx = ctxs
+    c1, s1 = make_pair(ctxs)
+    s1.write(b"hello")
+    c1.receive_data(s1.data_to_send())
+    assert bytes(drain(c1)[0]) == b"hello"
+    session = c1.ssl_object.session
+    assert session is not None
+    c2 = TLSEngine(cctx, server_hostname=HOST, session=session)
+    s2 = TLSEngine(sctx, server_side=True)
+    handshake(c2, s2)
+    assert c2.get_extra_info("session_reused") is True
+    assert s2.ssl_object.session_reused
+
+
+# ---------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------
+
+
+def test_round_trip_byte_exact(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    c, s = make_pair(ctxs)
+    payload = os.urandom(300_000)
+    for a, b in ((c, s), (s, c)):
+        a.write(payload[:10])
+        a.write(memoryview(payload)[10:100_000])
+        a.write_many([payload[100_000:100_001], bytearray(payload[100_001:250_000])])
+        a.write_many([memoryview(payload)[i : i + 500] for i in range(250_000, 300_000, 500)])
+        wire = a.data_to_send()
+        got = bytearray()
+        for i in range(0, len(wire), 7000):
+            b.receive_data(memoryview(wire)[i : i + 7000])
+            for chunk in drain(b):
+                got += chunk
+        assert got == payload
+
+
+def test_write_many_joins_small_buffers(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    c, s = make_pair(ctxs)
+    small = [bytes([i]) * 100 for i in range(200)]  # 20 000 bytes
+    s.write_many(small)
+    assert s.write_calls == 2  # 16 384 bytes hold 163 buffers, then the rest
+    big = b"B" * 40_000
+    s.write_many([b"a", big, b"b", b"c"])
+    assert s.write_calls == 2 + 3  # "a", big alone (not joined), "bc"
+    c.receive_data(s.data_to_send())
+    assert b"".join(bytes(x) for x in drain(c)) == b"".join(small) + b"a" + big + b"bc"
+
+
+def test_coalescing(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    c, s = make_pair(ctxs)
+    msgs = [os.urandom(700 + i) for i in range(100)]
+    for m in msgs:
+        s.write(m)
+    wire = s.data_to_send()
+    assert len(split_records(wire)) == 100
+    before = (c.chunks_returned, c.read_calls, c.records_read)
+    c.receive_data(wire)
+    chunks = drain(c)
+    assert b"".join(chunks) == b"".join(msgs)
+    assert len(chunks) == c.chunks_returned - before[0]
+    # ~75 KB in at most 16 KiB chunks: 5 or 6 chunks, not 100.
+    assert len(chunks) <= 7
+    assert all(len(ch) <= MAX_FRAGMENT for ch in chunks)
+    assert c.read_calls - before[1] == 100  # one SSL_read per record
+    assert c.records_read - before[2] == 100
+    # Chunks are exact-size, read-only and independent of each other.
+    assert all(isinstance(ch.obj, (bytes, bytearray)) for ch in chunks)
+    assert c.want_read_errors == 0 or c.ssl_object.version() == "TLSv1.3"
+
+
+def test_coalescing_respects_max_chunk(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    c, s = make_pair(ctxs, max_chunk=3000)
+    payload = os.urandom(50_000)
+    for i in range(0, len(payload), 1000):
+        s.write(payload[i : i + 1000])
+    s.write(payload[:20_000])  # 16 KiB records: bigger than max_chunk
+    c.receive_data(s.data_to_send())
+    chunks = drain(c)
+    assert all(len(ch) <= 3000 for ch in chunks)
+    assert b"".join(chunks) == payload + payload[:20_000]
+    assert len(chunks) < 50 + 20
+
+
+def test_partial_records_across_feeds(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    c, s = make_pair(ctxs)
+    msgs = [os.urandom(1000) for _ in range(20)]
+    for m in msgs:
+        s.write(m)
+    wire = s.data_to_send()
+    got = bytearray()
+    want_before = c.want_read_errors
+    calls_before = c.read_calls
+    for i in range(0, len(wire), 2500):  # every piece ends inside a record
+        c.receive_data(wire[i : i + 2500])
+        got += b"".join(drain(c))
+    assert got == b"".join(msgs)
+    # Never a wasted SSL_read: every call decrypted one record.
+    assert c.want_read_errors == want_before
+    assert c.read_calls - calls_before == 20
+
+
+def test_want_read_not_paid(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    c, s = make_pair(ctxs)
+    base_wr = c.want_read_errors
+    base_calls = c.read_calls
+    assert c.read_chunk() is None
+    assert c.read_chunk() is None
+    s.write(b"x" * 5000)
+    wire = s.data_to_send()
+    c.receive_data(wire[:-1])  # one byte short of a complete record
+    assert c.read_chunk() is None
+    c.receive_data(wire[-1:])
+    assert bytes(c.read_chunk()) == b"x" * 5000  # type: ignore[arg-type]
+    assert c.read_chunk() is None
+    assert c.want_read_errors == base_wr
+    assert c.read_calls == base_calls + 1
+
+
+def test_idle_engine_holds_no_read_buffer(
+    ctxs: tuple[ssl.SSLContext, ssl.SSLContext],
+) -> None:
+    c, s = make_pair(ctxs)
+    for _ in range(3):  # warm up
+        s.write(b"y" * 30_000)
+        c.receive_data(s.data_to_send())
+        drain(c)
+    tracemalloc.start()
+    try:
+        snap1 = tracemalloc.take_snapshot()
+        for _ in range(5):
+            s.write(b"z" * 60_000)
+            c.receive_data(s.data_to_send())
+            assert sum(len(ch) for ch in drain(c)) == 60_000
+        snap2 = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    grown = sum(stat.size_diff for stat in snap2.compare_to(snap1, "filename"))
+    assert grown < 8192, grown
+
+
+# ---------------------------------------------------------------------------
+# ordering: alerts, handshake records, errors, EOF
+# ---------------------------------------------------------------------------
+
+
+def test_close_notify_after_data(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    c, s = make_pair(ctxs)
+    for i in range(10):
+        s.write(bytes([65 + i]) * 1000)
+    s.start_shutdown()
+    assert s.state is TLSState.CLOSING
+    wire = s.data_to_send()
+    records = split_records(wire)
+    c.receive_data(wire)
+    first = c.read_chunk()
+    assert first is not None and bytes(first) == b"".join(bytes([65 + i]) * 1000 for i in range(10))
+    if c.ssl_object.version() == "TLSv1.2":
+        # The alert record (type 21) ended the batch: still unread.
+        assert records[-1][0] == 21
+        assert c.buffered_ciphertext == len(records[-1])
+        assert not c.eof_received
+    eof = c.read_chunk()
+    assert eof is not None and len(eof) == 0
+    assert c.eof_received
+    assert c.state is TLSState.OPEN  # our side can still write
+    # Nothing after close_notify is returned, and no error either.
+    c.receive_data(b"\x17\x03\x03\x00\x05hello")
+    c.receive_data(b"garbage")
+    assert c.read_chunk() == b""
+    assert c.read_chunk() == b""
+    c.write(b"late reply")
+    c.start_shutdown()
+    assert c.state is TLSState.CLOSED
+    s.receive_data(c.data_to_send())
+    assert [bytes(x) for x in drain(s)] == [b"late reply"]
+    assert s.read_chunk() == b""
+    assert s.state is TLSState.CLOSED
+
+
+def test_shutdown_keeps_unread_input(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    # SSL_shutdown discards application data it reads; the engine must not
+    # let it see data the application has not read yet.
+    c, s = make_pair(ctxs)
+    s.write(b"p" * 3000)
+    s.write(b"q" * 3000)
+    c.receive_data(s.data_to_send())
+    c.start_shutdown()
+    assert c.state is TLSState.CLOSING
+    with pytest.raises(RuntimeError, match="CLOSING"):
+        c.write(b"x")
+    s.receive_data(c.data_to_send())
+    assert s.read_chunk() == b""  # our close_notify reached the peer
+    s.write(b"r" * 10)  # the peer may still send before answering
+    s.start_shutdown()
+    c.receive_data(s.data_to_send())
+    got = b"".join(bytes(x) for x in drain(c))
+    assert got == b"p" * 3000 + b"q" * 3000 + b"r" * 10
+    assert c.read_chunk() == b""
+    assert c.state is TLSState.CLOSED
+
+
+def test_corrupted_record_after_good_ones(
+    ctxs: tuple[ssl.SSLContext, ssl.SSLContext],
+) -> None:
+    c, s = make_pair(ctxs)
+    for i in range(6):
+        s.write(bytes([97 + i]) * 800)
+    records = split_records(s.data_to_send())
+    bad = bytearray(records[3])
+    bad[-3] ^= 0x55  # break the AEAD tag
+    c.receive_data(b"".join(records[:3]) + bytes(bad) + b"".join(records[4:]))
+    chunk = c.read_chunk()
+    assert chunk is not None
+    assert bytes(chunk) == b"a" * 800 + b"b" * 800 + b"c" * 800
+    with pytest.raises(ssl.SSLError) as info:
+        c.read_chunk()
+    assert not isinstance(info.value, TLSRecordError)
+    assert c.state is TLSState.BROKEN
+    with pytest.raises(ssl.SSLError) as again:
+        c.read_chunk()
+    assert again.value is info.value
+    c.receive_data(b"more")  # ignored
+    with pytest.raises(ssl.SSLError):
+        c.read_chunk()
+
+
+def test_invalid_header_after_good_records(
+    ctxs: tuple[ssl.SSLContext, ssl.SSLContext],
+) -> None:
+    c, s = make_pair(ctxs)
+    for i in range(4):
+        s.write(bytes([48 + i]) * 600)
+    wire = s.data_to_send()
+    c.receive_data(wire[:100])
+    c.receive_data(wire[100:] + b"\x17\x09\x09\x00\x10" + b"\x00" * 16)
+    assert c.state is TLSState.OPEN
+    c.write(b"still writable until the error surfaces")
+    got = b"".join(bytes(x) for x in drain_until_error(c))
+    assert got == b"0" * 600 + b"1" * 600 + b"2" * 600 + b"3" * 600
+    with pytest.raises(TLSRecordError, match=f"offset .*major byte 9"):
+        c.read_chunk()
+    assert c.state is TLSState.BROKEN
+
+
+def drain_until_error(e: TLSEngine) -> Iterator[memoryview]:
+    while True:
+        try:
+            chunk = e.read_chunk()
+        except ssl.SSLError:
+            return
+        if chunk is None or not chunk:
+            return
+        check_chunk(chunk, e)
+        yield chunk
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_eof_without_close_notify(
+    ctxs: tuple[ssl.SSLContext, ssl.SSLContext], ragged: bool
+) -> None:
+    c, s = make_pair(ctxs, ragged_eof=ragged)
+    s.write(b"data before FIN")
+    c.receive_data(s.data_to_send())
+    c.receive_eof()
+    assert bytes(c.read_chunk()) == b"data before FIN"  # type: ignore[arg-type]
+    if ragged:
+        assert c.read_chunk() == b""
+        assert c.read_chunk() == b""
+        assert c.state is TLSState.OPEN
+        c.start_shutdown()
+        assert c.state is TLSState.CLOSED
+    else:
+        with pytest.raises(TLSTruncatedError, match="close_notify") as info:
+            c.read_chunk()
+        assert isinstance(info.value, ssl.SSLEOFError)
+        assert c.state is TLSState.BROKEN
+        with pytest.raises(TLSTruncatedError):
+            c.read_chunk()
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_eof_inside_a_record_is_always_truncation(
+    ctxs: tuple[ssl.SSLContext, ssl.SSLContext], ragged: bool
+) -> None:
+    c, s = make_pair(ctxs, ragged_eof=ragged)
+    s.write(b"complete")
+    s.write(b"cut short")
+    wire = s.data_to_send()
+    c.receive_data(wire[:-4])
+    c.receive_eof()
+    assert bytes(c.read_chunk()) == b"complete"  # type: ignore[arg-type]
+    with pytest.raises(TLSTruncatedError, match="middle of a TLS record"):
+        c.read_chunk()
+
+
+def test_tls12_handshake_record_ends_batch(
+    ca: trustme.CA, server_cert: trustme.LeafCert
+) -> None:
+    # A handshake record (type 22) between data records must end the batch.
+    # Python cannot start a renegotiation, so splice a record the peer would
+    # reject into the stream: the data in front of it comes back first, and
+    # only the next batch reaches the handshake record (and fails on it).
+    c, s = make_pair(contexts(ca, server_cert, ssl.TLSVersion.TLSv1_2))
+    for i in range(3):
+        s.write(bytes([120 + i]) * 500)
+    data = s.data_to_send()
+    hs = b"\x16\x03\x03\x00\x20" + os.urandom(32)
+    c.receive_data(data + hs)
+    chunk = c.read_chunk()
+    assert chunk is not None and bytes(chunk) == b"x" * 500 + b"y" * 500 + b"z" * 500
+    assert c.buffered_ciphertext == len(hs)
+    assert c._scanner.next_record(c._scanner.fed - len(hs)) == (22, 32)
+    with pytest.raises(ssl.SSLError):
+        c.read_chunk()
+
+
+# ---------------------------------------------------------------------------
+# property tests
+# ---------------------------------------------------------------------------
+
+_PROPERTY_CACHE: dict[ssl.TLSVersion, tuple[ssl.SSLContext, ssl.SSLContext]] = {}
+
+
+def _property_ctxs(version: ssl.TLSVersion) -> tuple[ssl.SSLContext, ssl.SSLContext]:
+    if version not in _PROPERTY_CACHE:
+        ca = trustme.CA()
+        _PROPERTY_CACHE[version] = contexts(ca, ca.issue_cert(HOST), version)
+    return _PROPERTY_CACHE[version]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    version=st.sampled_from(VERSIONS),
+    sizes=st.lists(st.integers(1, 20_000), min_size=1, max_size=12),
+    cuts=st.lists(st.integers(0, 300_000), max_size=20),
+    corrupt=st.one_of(st.none(), st.integers(0, 300_000)),
+    close=st.booleans(),
+    eof=st.booleans(),
+)
+def test_property_real_ciphertext_split_anywhere(
+    version: ssl.TLSVersion,
+    sizes: list[int],
+    cuts: list[int],
+    corrupt: int | None,
+    close: bool,
+    eof: bool,
+) -> None:
+    c, s = make_pair(_property_ctxs(version))
+    sent = bytearray()
+    for i, n in enumerate(sizes):
+        piece = bytes([i % 251]) * n
+        sent += piece
+        s.write(piece)
+    if close:
+        s.start_shutdown()
+    wire = bytearray(s.data_to_send())
+    if corrupt is not None:
+        wire[corrupt % len(wire)] ^= 0x01
+    points = sorted({x % (len(wire) + 1) for x in cuts} | {0, len(wire)})
+    got = bytearray()
+    error: BaseException | None = None
+    ended = False
+    for a, b in zip(points, points[1:]):
+        c.receive_data(memoryview(wire)[a:b])
+        try:
+            for chunk in iter(c.read_chunk, None):
+                if not chunk:
+                    ended = True
+                    break
+                check_chunk(chunk, c)
+                got += chunk
+        except ssl.SSLError as exc:  # TLSRecordError, TLSTruncatedError too
+            error = exc
+            break
+        if ended:
+            break
+    if eof and error is None and not ended:
+        c.receive_eof()
+        try:
+            for chunk in iter(c.read_chunk, None):
+                if not chunk:
+                    ended = True
+                    break
+                got += chunk
+        except ssl.SSLError as exc:
+            error = exc
+    # Never a byte the peer did not send, never out of order.
+    assert got == sent[: len(got)]
+    if corrupt is None:
+        assert got == sent
+        assert ended == close
+        if eof and not close:
+            assert isinstance(error, TLSTruncatedError)
+        else:
+            assert error is None
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    version=st.sampled_from(VERSIONS),
+    junk=st.lists(st.binary(max_size=300), min_size=1, max_size=6),
+    handshaken=st.booleans(),
+)
+def test_property_arbitrary_bytes(
+    version: ssl.TLSVersion, junk: list[bytes], handshaken: bool
+) -> None:
+    cctx, sctx = _property_ctxs(version)
+    if handshaken:
+        c, _ = make_pair((cctx, sctx))
+    else:
+        c = TLSEngine(cctx, server_hostname=HOST)
+        c.do_handshake()
+    try:
+        for piece in junk:
+            c.receive_data(piece)
+            if c.state is TLSState.HANDSHAKING:
+                c.do_handshake()
+            else:
+                for chunk in iter(c.read_chunk, None):
+                    assert not chunk  # nothing was sent: no bytes may appear
+                    break
+        c.receive_eof()
+        if c.state is TLSState.HANDSHAKING:
+            c.do_handshake()
+        else:
+            assert c.read_chunk() in (None, b"")
+    except ssl.SSLError:
+        pass  # includes TLSRecordError and TLSTruncatedError
+
+
+# ---------------------------------------------------------------------------
+# interop with the openssl command line tools over real sockets
+# ---------------------------------------------------------------------------
+
+OPENSSL = shutil.which("openssl")
+pytestmark_interop = pytest.mark.skipif(OPENSSL is None, reason="no openssl CLI")
+
+
+class Pump:
+    """Drive a TLSEngine over a blocking socket (no event loop)."""
+
+    def __init__(self, sock: socket.socket, engine: TLSEngine) -> None:
+        self.sock = sock
+        self.engine = engine
+        self.received = bytearray()
+        self.eof = False
+        sock.settimeout(15)
+
+    def flush(self) -> None:
+        out = self.engine.data_to_send()
+        if out:
+            self.sock.sendall(out)
+
+    def recv_once(self, timeout: float = 15) -> bool:
+        self.sock.settimeout(timeout)
+        try:
+            data = self.sock.recv(65536)
+        except socket.timeout:
+            return False
+        if data:
+            self.engine.receive_data(data)
+        else:
+            self.engine.receive_eof()
+        return True
+
+    def handshake(self) -> None:
+        while True:
+            done = self.engine.do_handshake()
+            self.flush()
+            if done:
+                return
+            self.recv_once()
+
+    def read_available(self) -> list[memoryview]:
+        chunks = []
+        while (chunk := self.engine.read_chunk()) is not None:
+            if not chunk:
+                self.eof = True
+                break
+            check_chunk(chunk, self.engine)
+            chunks.append(chunk)
+            self.received += chunk
+        self.flush()
+        return chunks
+
+    def read_until(self, predicate: object, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():  # type: ignore[operator]
+            assert time.monotonic() < deadline, bytes(self.received[-200:])
+            assert not self.eof
+            self.recv_once(max(0.1, deadline - time.monotonic()))
+            self.read_available()
+
+
+class OpenSSLProc:
+    """An openssl s_server/s_client child with its stdout collected."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [OPENSSL or "openssl", *args],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        self.out = bytearray()
+        self.lock = threading.Lock()
+        self.thread = threading.Thread(target=self._collect, daemon=True)
+        self.thread.start()
+
+    def _collect(self) -> None:
+        assert self.proc.stdout is not None
+        while True:
+            data = self.proc.stdout.read1(65536)  # type: ignore[attr-defined]
+            if not data:
+                return
+            with self.lock:
+                self.out += data
+
+    def output(self) -> bytes:
+        with self.lock:
+            return bytes(self.out)
+
+    def wait_for(self, pattern: bytes, timeout: float = 15) -> re.Match[bytes]:
+        deadline = time.monotonic() + timeout
+        while True:
+            m = re.search(pattern, self.output())
+            if m:
+                return m
+            assert self.proc.poll() is None or time.monotonic() < deadline, self.output()
+            assert time.monotonic() < deadline, self.output()[-2000:]
+            time.sleep(0.02)
+
+    def send(self, data: bytes) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(data)
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.thread.join(5)
+        if self.proc.stdout:
+            self.proc.stdout.close()
+
+
+@pytest.fixture(scope="module")
+def pem_files(
+    tmp_path_factory: pytest.TempPathFactory, ca: trustme.CA, server_cert: trustme.LeafCert
+) -> tuple[str, str]:
+    d = tmp_path_factory.mktemp("pem")
+    server = str(d / "server.pem")
+    cafile = str(d / "ca.pem")
+    server_cert.private_key_and_cert_chain_pem.write_to_path(server)
+    ca.cert_pem.write_to_path(cafile)
+    return server, cafile
+
+
+def hex_payload(n: int) -> bytes:
+    # Uppercase hex lines: no line starts with an s_client/s_server command
+    # letter (Q, q, R, r, K, k, ...).
+    raw = os.urandom(n // 2).hex().upper().encode()
+    return b"\n".join(raw[i : i + 63] for i in range(0, len(raw), 63)) + b"\n"
+
+
+@pytestmark_interop
+@pytest.mark.parametrize("version", VERSIONS, ids=VERSION_IDS)
+def test_interop_s_server(
+    version: ssl.TLSVersion, pem_files: tuple[str, str], ca: trustme.CA,
+    server_cert: trustme.LeafCert,
+) -> None:
+    server_pem, _ = pem_files
+    flag = "-tls1_2" if version is ssl.TLSVersion.TLSv1_2 else "-tls1_3"
+    srv = OpenSSLProc(
+        ["s_server", "-accept", "127.0.0.1:0", "-cert", server_pem, flag,
+         "-max_send_frag", "512", "-naccept", "1"]
+    )
+    try:
+        port = int(srv.wait_for(rb"ACCEPT 127\.0\.0\.1:(\d+)").group(1))
+        cctx, _ = contexts(ca, server_cert, version)
+        engine = TLSEngine(cctx, server_hostname="localhost")
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            pump = Pump(sock, engine)
+            pump.handshake()
+            assert engine.ssl_object.version() == (
+                "TLSv1.2" if version is ssl.TLSVersion.TLSv1_2 else "TLSv1.3"
+            )
+            # server -> client: 512-byte records, coalesced into chunks
+            srv.wait_for(rb"CIPHER is|Cipher is|Secure Renegotiation|-----END SSL SESSION")
+            payload = hex_payload(60_000)
+            srv.send(payload)
+            pump.read_until(lambda: len(pump.received) >= len(payload))
+            assert bytes(pump.received) == payload
+            assert engine.records_read >= len(payload) // 512
+            assert engine.chunks_returned < engine.records_read / 4
+            # client -> server
+            up = hex_payload(40_000)
+            engine.write_many([up[i : i + 1000] for i in range(0, len(up), 1000)])
+            pump.flush()
+            srv.wait_for(re.escape(up[-200:]))
+            assert up in srv.output()
+            if version is ssl.TLSVersion.TLSv1_2:
+                renegotiate_from_s_server(srv, pump, engine)
+            else:
+                key_update_from_s_server(srv, pump, engine)
+    finally:
+        srv.close()
+
+
+def renegotiate_from_s_server(srv: OpenSSLProc, pump: Pump, engine: TLSEngine) -> None:
+    # Data, then a HelloRequest, sitting in the socket together: the data
+    # comes back first and the handshake record is still unread.
+    start = len(pump.received)
+    srv.send(b"BEFORE-RENEGOTIATION\n")
+    time.sleep(0.3)
+    srv.send(b"r\n")  # s_server: renegotiate
+    time.sleep(0.5)
+    pump.recv_once()
+    time.sleep(0.2)
+    pump.sock.setblocking(False)
+    try:
+        while True:
+            data = pump.sock.recv(65536)
+            if not data:
+                break
+            engine.receive_data(data)
+    except BlockingIOError:
+        pass
+    first = engine.read_chunk()
+    assert first is not None and bytes(first) == b"BEFORE-RENEGOTIATION\n"
+    pump.received += first
+    scanner = engine._scanner
+    nxt = scanner.next_record(scanner.fed - engine.buffered_ciphertext)
+    assert nxt is not None and nxt[0] == 22  # the HelloRequest waits
+    assert engine.data_to_send() == b""
+    assert engine.read_chunk() is None  # processes HelloRequest
+    hello = engine.data_to_send()
+    assert hello[:1] == b"\x16"  # our new ClientHello (encrypted handshake)
+    pump.sock.sendall(hello)
+    # A write in the middle of the renegotiation waits if it must.
+    engine.write(b"DURING-RENEGOTIATION\n")
+    pump.flush()
+    srv.send(b"AFTER-RENEGOTIATION\n")
+    pump.read_until(lambda: b"AFTER-RENEGOTIATION\n" in pump.received[start:])
+    assert bytes(pump.received[start:]) == b"BEFORE-RENEGOTIATION\nAFTER-RENEGOTIATION\n"
+    srv.wait_for(rb"DURING-RENEGOTIATION")
+    engine.write(b"AFTER-FROM-CLIENT\n")
+    pump.flush()
+    srv.wait_for(rb"AFTER-FROM-CLIENT")
+
+
+def key_update_from_s_server(srv: OpenSSLProc, pump: Pump, engine: TLSEngine) -> None:
+    start = len(pump.received)
+    srv.send(b"BEFORE-KEYUPDATE\n")
+    time.sleep(0.2)
+    srv.send(b"K\n")  # s_server: KeyUpdate, update_requested
+    time.sleep(0.2)
+    srv.send(b"AFTER-KEYUPDATE\n")
+    pump.read_until(lambda: b"AFTER-KEYUPDATE\n" in pump.received[start:])
+    assert bytes(pump.received[start:]) == b"BEFORE-KEYUPDATE\nAFTER-KEYUPDATE\n"
+    # We answered the KeyUpdate; the server can still read us.
+    engine.write(b"AFTER-KEYUPDATE-FROM-CLIENT\n")
+    pump.flush()
+    srv.wait_for(rb"AFTER-KEYUPDATE-FROM-CLIENT")
+
+
+def free_listener() -> socket.socket:
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    return lsock
+
+
+@pytestmark_interop
+@pytest.mark.parametrize("version", VERSIONS, ids=VERSION_IDS)
+def test_interop_s_client(
+    version: ssl.TLSVersion, pem_files: tuple[str, str], ca: trustme.CA,
+    server_cert: trustme.LeafCert,
+) -> None:
+    _, cafile = pem_files
+    flag = "-tls1_2" if version is ssl.TLSVersion.TLSv1_2 else "-tls1_3"
+    _, sctx = contexts(ca, server_cert, version)
+    lsock = free_listener()
+    port = lsock.getsockname()[1]
+    cli = OpenSSLProc(
+        ["s_client", "-connect", f"127.0.0.1:{port}", flag, "-CAfile", cafile,
+         "-servername", "localhost", "-verify_return_error", "-max_send_frag", "512"]
+    )
+    try:
+        lsock.settimeout(15)
+        sock, _ = lsock.accept()
+        with sock:
+            engine = TLSEngine(sctx, server_side=True)
+            pump = Pump(sock, engine)
+            pump.handshake()
+            cli.wait_for(rb"Verify return code: 0")
+            # client -> server in 512-byte records
+            payload = hex_payload(50_000)
+            cli.send(payload)
+            pump.read_until(lambda: len(pump.received) >= len(payload))
+            assert bytes(pump.received) == payload
+            assert engine.chunks_returned < engine.records_read / 4
+            # server -> client
+            down = hex_payload(30_000)
+            engine.write(down)
+            pump.flush()
+            cli.wait_for(re.escape(down[-200:]))
+            assert down in cli.output()
+            start = len(pump.received)
+            if version is ssl.TLSVersion.TLSv1_2:
+                # The stdlib server refuses client-initiated renegotiation
+                # (no_renegotiation warning); s_client answers with a fatal
+                # handshake_failure alert.  The data in front of it still
+                # comes out first, then OpenSSL's error passes through.
+                cli.send(b"BEFORE\n")
+                time.sleep(0.3)
+                cli.send(b"R\n")  # s_client: renegotiate (client-initiated)
+                cli.wait_for(rb"RENEGOTIATING")
+                with pytest.raises(ssl.SSLError, match="HANDSHAKE_FAILURE"):
+                    pump.read_until(lambda: False, timeout=10)
+                assert bytes(pump.received[start:]) == b"BEFORE\n"
+                assert engine.state is TLSState.BROKEN
+                return
+            cli.send(b"K\n")  # s_client: KeyUpdate, update_requested
+            cli.wait_for(rb"KEYUPDATE")
+            time.sleep(0.3)
+            pump.recv_once(2)
+            pump.read_available()
+            cli.send(b"AFTER\n")
+            pump.read_until(lambda: b"AFTER\n" in pump.received[start:])
+            assert bytes(pump.received[start:]) == b"AFTER\n"
+            engine.write(b"SERVER-AFTER\n")
+            pump.flush()
+            cli.wait_for(rb"SERVER-AFTER")
+            # Orderly close: our close_notify, then the client's (s_client
+            # answers and exits), then TCP FIN.
+            engine.start_shutdown()
+            pump.flush()
+            assert engine.state is TLSState.CLOSING
+            pump.read_until(lambda: pump.eof)
+            assert engine.state is TLSState.CLOSED
+    finally:
+        lsock.close()
+        cli.close()
