@@ -17,12 +17,14 @@ from typing import Any
 
 from .core import Files, Scenario, config_label, format_value, parse_value
 from .driver import ROOT, Driver
-from .report import Progress, markdown, write_csv, write_plots
+from .report import Progress, markdown, update_readme, write_csv, write_plots
 from .results import ConfigResults, label_configs
 from .scenarios import all_scenarios
 from .targets import evaluate
 
 DEFAULT_OUT = os.path.join(ROOT, "benchmarks", "results")
+README = os.path.join(ROOT, "benchmarks", "README.md")
+IMGDIR = os.path.join(ROOT, "benchmarks", "img")
 
 
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -46,6 +48,10 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--allow-unavailable", action="store_true",
                    help="exit 0 even if slabnet could not be imported")
     p.add_argument("--list", action="store_true", help="list scenarios, parameters and implementations")
+    p.add_argument("--update-readme", action="store_true",
+                   help="after the run, put its table and plots into benchmarks/README.md and img/")
+    p.add_argument("--readme-from", metavar="DIR",
+                   help="don't run: put the results in DIR into benchmarks/README.md and img/")
     return p.parse_args(argv)
 
 
@@ -117,6 +123,9 @@ def _list(scenarios: list[Scenario]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.readme_from:
+        update_readme(README, IMGDIR, args.readme_from)
+        return 0
     scenarios = _selected(all_scenarios(), args.filter)
     if args.list:
         _list(scenarios)
@@ -166,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for c, r in failed:
         print(f"FAILED {c.scenario.name} {config_label(c.params, list(c.params))} {r.impl}: {r.error}",
               file=sys.stderr)
+    if args.update_readme:
+        update_readme(README, IMGDIR, args.out)
     if unavailable:
         print(f"slabnet unavailable in {len(unavailable)} runs: {unavailable[0][1].error}", file=sys.stderr)
     if failed or (unavailable and not args.allow_unavailable):

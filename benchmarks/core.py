@@ -21,7 +21,7 @@ import dataclasses
 import itertools
 import re
 import socket
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, Literal
 
 Params = dict[str, Any]
@@ -126,7 +126,7 @@ class ClientContext:
 
 
 ServerFn = Callable[[socket.socket, Params, Files], None]
-ClientFn = Callable[[ClientContext], Awaitable[dict[str, Any]]]
+ClientFn = Callable[[ClientContext], Coroutine[Any, Any, dict[str, Any]]]
 ExternalFn = Callable[[Params, Files], ExternalServer | None]
 
 

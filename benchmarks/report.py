@@ -192,8 +192,8 @@ def write_csv(configs: Sequence[ConfigResults], outdir: str) -> list[str]:
         for c in configs:
             for a, b in pairs(c.impls):
                 for m in c.scenario.metrics:
-                    r, p = c.compare(a, b, m.key)
-                    w.writerow([c.scenario.name, c.label, a, b, m.key, r, p, stars(p)])
+                    value, p = c.compare(a, b, m.key)
+                    w.writerow([c.scenario.name, c.label, a, b, m.key, value, p, stars(p)])
     return [raw_path, summary_path, pairs_path]
 
 
@@ -257,3 +257,33 @@ def write_plots(configs: Sequence[ConfigResults], outdir: str) -> list[str]:
             plt.close(fig)
             paths.append(path)
     return paths
+
+
+# --------------------------------------------------------------- README ----
+
+README_START = "<!-- results:start -->"
+README_END = "<!-- results:end -->"
+
+
+def update_readme(readme: str, imgdir: str, results_dir: str) -> None:
+    """Put ``results_dir``'s results.md and PNGs into the README between the
+    result markers, and copy the PNGs into ``imgdir``."""
+    import glob
+    import shutil
+
+    with open(os.path.join(results_dir, "results.md")) as f:
+        table = f.read().strip()
+    os.makedirs(imgdir, exist_ok=True)
+    for old in glob.glob(os.path.join(imgdir, "*.png")):
+        os.remove(old)
+    images = []
+    for png in sorted(glob.glob(os.path.join(results_dir, "*.png"))):
+        shutil.copy(png, imgdir)
+        rel = os.path.relpath(os.path.join(imgdir, os.path.basename(png)), os.path.dirname(readme))
+        images.append(f"![{os.path.basename(png)[:-4]}]({rel})")
+    with open(readme) as f:
+        text = f.read()
+    start, end = text.index(README_START) + len(README_START), text.index(README_END)
+    body = f"\n{table}\n\n#### Plots\n\n" + "\n".join(images) + "\n"
+    with open(readme, "w") as f:
+        f.write(text[:start] + body + text[end:])

@@ -48,7 +48,7 @@ def run_client(spec: dict[str, Any]) -> dict[str, Any]:
     impl = impl_by_name(spec["impl"])
     ctx = ClientContext(impl=impl, params=spec["params"], port=spec["port"], files=Files(**spec["files"]))
     with asyncio.Runner(loop_factory=_loop_factory(impl.loop)) as runner:
-        result = runner.run(scenario.client(ctx))
+        result: dict[str, Any] = runner.run(scenario.client(ctx))
     result["peak_rss_mib"] = peak_rss_mib()
     return result
 
