@@ -43,7 +43,8 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "sizes take K/M/G suffixes; dur=SECONDS bounds every run (default 120)")
     p.add_argument("--quick", action="store_true",
                    help="smoke test: every scenario with tiny sizes, 1 run each")
-    p.add_argument("--out", default=DEFAULT_OUT, help="directory for CSV, Markdown and PNG files")
+    p.add_argument("--out", default=None, help="directory for CSV, Markdown and PNG files "
+                   "(default benchmarks/results, with --quick benchmarks/results/quick)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--allow-unavailable", action="store_true",
                    help="exit 0 even if slabnet could not be imported")
@@ -123,6 +124,8 @@ def _list(scenarios: list[Scenario]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.out is None:
+        args.out = os.path.join(DEFAULT_OUT, "quick") if args.quick else DEFAULT_OUT
     if args.readme_from:
         update_readme(README, IMGDIR, args.readme_from)
         return 0
