@@ -10,6 +10,7 @@ streams: slabnet's, or asyncio's own streams and ``ssl``.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import signal
@@ -45,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=int, choices=(8000, 16000), default=8000)
     p.add_argument("--tts-impl", choices=IMPLS,
                    help="TTS service streams (default: slabnet if importable, else asyncio)")
+    p.add_argument("--tts-loop", choices=LOOPS,
+                   help="TTS service loop (default: uvloop if importable, else asyncio)")
     p.add_argument("--tts-workers", type=int, default=2)
     p.add_argument("--tts-nice", type=int, default=0, help="lower the TTS service's CPU priority")
     p.add_argument("--voice", choices=("auto", "espeak-ng", "synthetic"), default="auto")
@@ -62,7 +65,7 @@ def _env() -> dict[str, str]:
 def start_tts(args: argparse.Namespace, impl: str, certs_dir: str) -> tuple[subprocess.Popen[str], str]:
     cmd = [
         sys.executable, "-m", "examples.tts_service", "--port", "0", "--impl", impl,
-        "--loop", args.loop, "--workers", str(args.tts_workers), "--certs", certs_dir,
+        "--loop", args.tts_loop, "--workers", str(args.tts_workers), "--certs", certs_dir,
         "--voice", args.voice, "--nice", str(args.tts_nice),
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     if not impls:
         raise SystemExit("demo: nothing to run")
     tts_impl = args.tts_impl or ("slabnet" if not impl_available("slabnet") else "asyncio")
+    if args.tts_loop is None:
+        args.tts_loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
 
     started = time.monotonic()
     summaries = []
@@ -161,12 +166,13 @@ def main(argv: list[str] | None = None) -> int:
             for impl in impls:
                 summaries.append(run_voice(args, impl, url, certs.ca, Path(tmp) / f"{impl}.json"))
         finally:
-            print(stop_tts(tts), file=sys.stderr)
+            tts_report = stop_tts(tts)
+            print(tts_report, file=sys.stderr)
     elapsed = time.monotonic() - started
 
     print()
     print(f"{args.calls} calls x {args.duration:g} s, {args.workers} voice worker(s), loop={args.loop}, "
-          f"{args.rate} Hz s16le in 20 ms frames; TTS service: {tts_impl}, "
+          f"{args.rate} Hz s16le in 20 ms frames; TTS service: {tts_impl} on {args.tts_loop}, "
           f"{args.tts_workers} worker(s), 5x real time")
     print(format_table(summaries))
     print()
@@ -175,6 +181,7 @@ def main(argv: list[str] | None = None) -> int:
               f"retained <= {TARGET_RETAINED_RATIO}x queued): {verdict(s)}")
     for impl, why in skipped.items():
         print(f"{impl}: not run ({why})")
+    print(tts_report)
     print(f"total {elapsed:.0f} s")
     if args.json:
         with open(args.json, "w") as f:

@@ -19,7 +19,8 @@ kept alive between requests.
 
 Pacing uses one ticker per process, not one timer per response: every
 ``TICK_S`` each streaming response sends the next ``speed * TICK_S`` seconds
-of audio, then waits for the next tick.
+of audio, then waits for its next tick. Responses are spread over four
+phases of the tick, as independent synthesis jobs would be.
 """
 
 from __future__ import annotations
@@ -66,27 +67,46 @@ class ServiceConfig:
 
 
 class Ticker:
-    """A shared periodic wake-up: ``await ticker.wait()`` returns at the next tick.
+    """A shared pacing clock: ``await ticker.wait(phase)`` returns at that phase's next tick.
 
-    The tick timer runs only while someone waits, so an idle service does not
-    spin. Each waiter has its own ``Event.wait()`` future, so cancelling one
-    waiter never disturbs the others.
+    Every ``interval`` each of ``phases`` groups of waiters is woken once, the
+    groups ``interval / phases`` apart, so that responses do not all send at
+    the same instant (their bursts would reach the client in one lump).
+    Responses take phases round-robin from ``next_phase()``. The timer runs
+    only while someone waits, so an idle service does not spin. Each waiter
+    has its own ``Event.wait()`` future: cancelling one disturbs no other.
     """
 
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
-        self._event: asyncio.Event | None = None
+    def __init__(self, interval: float, phases: int = 4) -> None:
+        self.step = interval / phases
+        self.phases = phases
+        self._events: list[asyncio.Event | None] = [None] * phases
+        self._handle: asyncio.TimerHandle | None = None
+        self._current = 0  # the phase the next tick wakes
+        self._assign = 0
 
-    async def wait(self) -> None:
-        if self._event is None:
-            self._event = asyncio.Event()
-            asyncio.get_running_loop().call_later(self.interval, self._fire)
-        await self._event.wait()
+    def next_phase(self) -> int:
+        phase = self._assign
+        self._assign = (phase + 1) % self.phases
+        return phase
+
+    async def wait(self, phase: int = 0) -> None:
+        event = self._events[phase]
+        if event is None:
+            event = self._events[phase] = asyncio.Event()
+        if self._handle is None:
+            self._handle = asyncio.get_running_loop().call_later(self.step, self._fire)
+        await event.wait()
 
     def _fire(self) -> None:
-        event, self._event = self._event, None
+        self._handle = None
+        phase = self._current
+        self._current = (phase + 1) % self.phases
+        event, self._events[phase] = self._events[phase], None
         if event is not None:
             event.set()
+        if any(e is not None for e in self._events):
+            self._handle = asyncio.get_running_loop().call_later(self.step, self._fire)
 
 
 class TTSService:
@@ -249,10 +269,11 @@ class TTSService:
             chunk = max(SAMPLE_WIDTH, rate * self.config.chunk_ms // 1000 * SAMPLE_WIDTH)
             per_tick = max(1, round(self.config.speed * TICK_S * 1000 / self.config.chunk_ms))
             pcm = memoryview(phrase.pcm)
+            phase = self.ticker.next_phase()
             for i, start in enumerate(range(0, len(pcm), chunk)):
                 if i and i % per_tick == 0:
                     await writer.drain()
-                    await self.ticker.wait()
+                    await self.ticker.wait(phase)
                 writer.write(conn.send(h11.Data(data=pcm[start : start + chunk])))
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
