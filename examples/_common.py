@@ -186,7 +186,7 @@ def memory_stats(impl: str) -> dict[str, int] | None:
     if fn is None:
         return None
     raw: Any = fn()
-    if dataclasses.is_dataclass(raw):
+    if dataclasses.is_dataclass(raw) and not isinstance(raw, type):
         items: Iterable[tuple[str, Any]] = dataclasses.asdict(raw).items()
     elif isinstance(raw, Mapping):
         items = raw.items()

@@ -1,7 +1,9 @@
 """The voice/TTS example end to end: byte-exact audio, no underruns, clean exit.
 
-Each case runs the TTS service and 20 calls of 3 s in one event loop, on the
-stdlib loop and on uvloop, with slabnet streams and with asyncio's own. The
+Each case runs the TTS service and 20 calls of 3 s in one event loop, with
+slabnet streams and with asyncio's own; slabnet's pytest plugin
+(``slabnet_loops`` in pyproject.toml) runs every async test on the stdlib
+loop and on uvloop. The
 service uses its synthetic voice, so the test recomputes every prompt's PCM
 and checks the SHA-256 the voice server computed over what it received.
 """
@@ -21,13 +23,7 @@ from typing import Any
 
 import pytest
 
-from examples._common import (
-    frame_bytes,
-    impl_available,
-    make_certs,
-    run_loop,
-    server_ssl_context,
-)
+from examples._common import frame_bytes, impl_available, make_certs, server_ssl_context
 from examples.tts_service import ServiceConfig, serve, synthetic_pcm
 from examples.voice_server import VoiceConfig, Worker
 
@@ -51,7 +47,18 @@ def _need(impl: str) -> None:
 async def _scenario(certs: Any, impl: str) -> tuple[dict[str, Any], Any, list[dict[str, Any]]]:
     loop = asyncio.get_running_loop()
     loop_errors: list[dict[str, Any]] = []
+    previous_handler = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, ctx: loop_errors.append(ctx))
+    try:
+        return await _run(certs, impl, loop_errors)
+    finally:
+        loop.set_exception_handler(previous_handler)
+
+
+async def _run(
+    certs: Any, impl: str, loop_errors: list[dict[str, Any]]
+) -> tuple[dict[str, Any], Any, list[dict[str, Any]]]:
+    loop = asyncio.get_running_loop()
     listening: asyncio.Future[Any] = loop.create_future()
     stop = asyncio.Event()
     service_task = asyncio.create_task(serve(
@@ -75,15 +82,20 @@ async def _scenario(certs: Any, impl: str) -> tuple[dict[str, Any], Any, list[di
     return result, service, loop_errors
 
 
-@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+@pytest.mark.asyncio
 @pytest.mark.parametrize("impl", ["slabnet", "asyncio"])
-def test_calls_play_byte_exact_audio_without_underruns(
+async def test_calls_play_byte_exact_audio_without_underruns(
     certs: Any, impl: str, loop_name: str
 ) -> None:
+    """slabnet's plugin runs this once per loop (ids [asyncio] and [uvloop])."""
     _need(impl)
+    if loop_name == "uvloop":
+        import uvloop
+
+        assert isinstance(asyncio.get_running_loop(), uvloop.Loop)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", ResourceWarning)
-        result, service, loop_errors = run_loop(lambda: _scenario(certs, impl), loop_name)
+        result, service, loop_errors = await _scenario(certs, impl)
         gc.collect()
     assert result["errors"] == []
     assert result["connected"] == CALLS

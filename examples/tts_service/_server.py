@@ -274,7 +274,9 @@ class TTSService:
                 if i and i % per_tick == 0:
                     await writer.drain()
                     await self.ticker.wait(phase)
-                writer.write(conn.send(h11.Data(data=pcm[start : start + chunk])))
+                # h11 accepts any bytes-like object; a memoryview slice is not a copy.
+                piece: Any = pcm[start : start + chunk]
+                writer.write(conn.send(h11.Data(data=piece)))
         writer.write(conn.send(h11.EndOfMessage()))
         await writer.drain()
 

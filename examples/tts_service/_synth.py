@@ -65,7 +65,7 @@ def resolve_voice(voice: str) -> str:
     return voice
 
 
-def _to_s16le(samples: array) -> bytes:
+def _to_s16le(samples: array[int]) -> bytes:
     if sys.byteorder == "big":
         samples = array("h", samples)
         samples.byteswap()
@@ -115,7 +115,7 @@ def synthetic_pcm(text: str, rate: int) -> bytes:
 # espeak-ng voice
 
 
-def _resample(samples: array, src: int, dst: int) -> array:
+def _resample(samples: array[int], src: int, dst: int) -> array[int]:
     """Resample 16-bit samples from ``src`` Hz to ``dst`` Hz."""
     try:
         import numpy as np

@@ -32,7 +32,10 @@ def summarize(results: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any]:
     peak_queued = max((s[1] for s in series), default=0)
     peak_retained = max((s[2] for s in series), default=0)
     has_pinned = any(r["memory_stats"] for r in results)
-    total = lambda key: sum(r[key] for r in results)  # noqa: E731
+
+    def total(key: str) -> Any:
+        return sum(r[key] for r in results)
+
     return {
         **info,
         "workers": n,
