@@ -1,0 +1,311 @@
+"""Write path (issue 4): synchronous writes allocate nothing, small writes of
+one iteration share one sendmsg, queued bytes come out whole and in order.
+
+Both loops (slabnet's pytest plugin).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import socket
+from typing import Any
+
+import pytest
+
+import slabnet
+import slabnet._transport as transport_mod
+import slabnet._write as write_mod
+
+
+class CountingSocket:
+    """Wraps the transport's socket to count system calls."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.send_calls = 0
+        self.sendmsg_calls = 0
+        self.sendmsg_buffers: list[int] = []
+
+    def send(self, data: Any) -> int:
+        self.send_calls += 1
+        return self._sock.send(data)
+
+    def sendmsg(self, buffers: Any) -> int:
+        self.sendmsg_calls += 1
+        self.sendmsg_buffers.append(len(buffers))
+        return self._sock.sendmsg(buffers)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+async def sink_server() -> tuple[asyncio.Server, int, asyncio.Future[bytes]]:
+    """A plain asyncio server that collects everything until EOF."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[bytes] = loop.create_future()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        data = await reader.read()
+        if not done.done():
+            done.set_result(data)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1], done
+
+
+@pytest.mark.asyncio
+async def test_synchronous_writes_create_no_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = []
+
+    class Counted(write_mod.WriteRequest):
+        __slots__ = ()
+
+        def __init__(self, *args: Any) -> None:
+            made.append(1)
+            super().__init__(*args)
+
+    monkeypatch.setattr(write_mod, "WriteRequest", Counted)
+    monkeypatch.setattr(transport_mod, "WriteRequest", Counted)
+    server, port, done = await sink_server()
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    results = []
+    for size in (10, 1024, 40_000, 100_000):
+        for _ in range(5):
+            results.append(writer.write(os.urandom(size)))
+            await asyncio.sleep(0.01)  # let each go out: the socket never fills
+    assert results == [None] * len(results)
+    assert made == []
+    writer.write_eof()
+    assert len(await done) == 5 * (10 + 1024 + 40_000 + 100_000)
+    writer.close()
+    server.close()
+
+
+@pytest.mark.asyncio
+async def test_small_writes_of_one_iteration_share_one_sendmsg() -> None:
+    server, port, done = await sink_server()
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    counting = CountingSocket(writer.transport._sock)
+    writer.transport._sock = counting  # type: ignore[assignment]
+    pieces = [bytes([i]) * 1024 for i in range(48)]
+    for piece in pieces:
+        assert writer.write(piece) is None
+    assert counting.send_calls + counting.sendmsg_calls == 0  # corked
+    assert writer.transport.get_write_buffer_size() == 48 * 1024
+    await asyncio.sleep(0)  # the end-of-iteration flush
+    await asyncio.sleep(0)
+    assert counting.sendmsg_calls + counting.send_calls == 1
+    assert writer.transport.get_write_buffer_size() == 0
+    # 64 KiB gathered flushes at once, before the iteration ends.
+    for piece in pieces + pieces:
+        writer.write(piece)
+    assert counting.sendmsg_calls + counting.send_calls == 2
+    writer.transport._sock = counting._sock
+    writer.write_eof()
+    assert await done == b"".join(pieces + pieces + pieces)
+    writer.close()
+    server.close()
+
+
+@pytest.mark.asyncio
+async def test_writelines_is_one_sendmsg_and_keeps_order() -> None:
+    server, port, done = await sink_server()
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    counting = CountingSocket(writer.transport._sock)
+    writer.transport._sock = counting  # type: ignore[assignment]
+    big = [os.urandom(50_000) for _ in range(4)]
+    assert writer.writelines(big) is None
+    assert counting.sendmsg_calls == 1 and counting.sendmsg_buffers == [4]
+    writer.transport._sock = counting._sock
+    writer.write(b"small")
+    writer.write_eof()
+    assert await done == b"".join(big) + b"small"
+    writer.close()
+    server.close()
+
+
+@pytest.mark.asyncio
+async def test_partial_sends_with_tiny_sndbuf_and_slow_reader() -> None:
+    """Mixed small and large writes through a tiny send buffer: exact, ordered."""
+    got = hashlib.sha256()
+    loop = asyncio.get_running_loop()
+    finished: asyncio.Future[int] = loop.create_future()
+
+    async def slow_reader(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        n = 0
+        while data := await reader.read(7000):
+            got.update(data)
+            n += len(data)
+            await asyncio.sleep(0.001)
+        finished.set_result(n)
+        writer.close()
+
+    server = await asyncio.start_server(slow_reader, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.setblocking(False)
+    reader, writer = await slabnet.open_connection(sock=sock)
+    expected = hashlib.sha256()
+    total = 0
+    requests = []
+    rnd = os.urandom(300_000)
+    for i in range(200):
+        size = (1, 700, 3000, 33_000, 120_000, 299_999)[i % 6]
+        data = rnd[i : i + size]
+        expected.update(data)
+        total += len(data)
+        req = writer.write(data if i % 2 else bytearray(data))  # bytearray: copied
+        if req is not None:
+            requests.append(req)
+        if i % 10 == 9:
+            await writer.drain()
+    assert requests, "a 4 KiB send buffer must make some writes queue"
+    assert all(isinstance(r, slabnet.WriteRequest) for r in requests)
+    await asyncio.gather(*requests)
+    assert all(r.done() for r in requests)
+    writer.write_eof()
+    assert await asyncio.wait_for(finished, 60) == total
+    assert got.hexdigest() == expected.hexdigest()
+    writer.close()
+    server.close()
+
+
+@pytest.mark.asyncio
+async def test_mutating_a_bytearray_after_write_does_not_change_what_is_sent() -> None:
+    server, port, done = await sink_server()
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    buf = bytearray(b"a" * 1000)
+    writer.write(buf)  # small: copied into the pool
+    buf[:] = b"b" * 1000
+    writer.write(buf)
+    buf[:] = b"c" * 1000
+    writer.write_eof()
+    assert await done == b"a" * 1000 + b"b" * 1000
+    writer.close()
+    server.close()
+
+
+@pytest.mark.asyncio
+async def test_flow_control_pauses_above_high_and_resumes_below_low() -> None:
+    loop = asyncio.get_running_loop()
+    release = asyncio.Event()
+    received: asyncio.Future[int] = loop.create_future()
+
+    async def lazy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await release.wait()
+        n = len(await reader.read())
+        received.set_result(n)
+        writer.close()
+
+    server = await asyncio.start_server(lazy, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    tr = writer.transport
+    tr.set_write_buffer_limits(high=256 * 1024, low=64 * 1024)
+    assert tr.get_write_buffer_limits() == (64 * 1024, 256 * 1024)
+    block = os.urandom(1 << 20)
+    sent = 0
+    drain = None
+    for _ in range(64):  # up to 64 MiB, far more than the kernel buffers
+        writer.write(block)
+        sent += len(block)
+        drain = asyncio.ensure_future(writer.drain())
+        await asyncio.sleep(0)
+        if not drain.done():
+            break
+    assert drain is not None and not drain.done(), "drain() must block above the high mark"
+    size = tr.get_write_buffer_size()
+    assert size > 256 * 1024
+    await asyncio.sleep(0.2)
+    assert not drain.done()
+    assert tr.get_write_buffer_size() == size  # the peer reads nothing
+    release.set()
+    await asyncio.wait_for(drain, 30)
+    assert tr.get_write_buffer_size() <= 64 * 1024
+    writer.write_eof()
+    assert await asyncio.wait_for(received, 30) == sent
+    writer.close()
+    server.close()
+
+
+@pytest.mark.asyncio
+async def test_reset_while_writes_are_queued_fails_requests() -> None:
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Future[asyncio.StreamWriter] = loop.create_future()
+
+    async def never_reads(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.set_result(writer)
+
+    server = await asyncio.start_server(never_reads, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    peer = await accepted
+    block = os.urandom(1 << 20)
+    requests = [r for r in (writer.write(block) for _ in range(32)) if r is not None]
+    assert requests
+    # Reset: close the peer with SO_LINGER 0.
+    psock = peer.get_extra_info("socket")
+    psock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    peer.transport.abort()
+    results = await asyncio.wait_for(
+        asyncio.gather(*requests, return_exceptions=True), 10
+    )
+    assert all(isinstance(r, ConnectionError) for r in results), results
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(writer.drain(), 10)
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(reader.read(10), 10)
+    writer.close()
+    server.close()
+
+
+@pytest.mark.asyncio
+async def test_close_flushes_queued_data_and_write_eof_orders_after_it() -> None:
+    server, port, done = await sink_server()
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    payload = os.urandom(8 << 20)
+    writer.write(payload)
+    writer.write(b"tail")
+    writer.write_eof()
+    with pytest.raises(RuntimeError, match="after write_eof"):
+        writer.write(b"x")
+    assert await asyncio.wait_for(done, 30) == payload + b"tail"
+    writer.close()
+    await writer.wait_closed()
+    with pytest.raises(RuntimeError, match="after write_eof"):
+        writer.write(b"y")
+    server.close()
+
+
+@pytest.mark.asyncio
+async def test_tls_writes_of_one_iteration_are_encrypted_together(
+    tls_server_context: Any, tls_client_context: Any
+) -> None:
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[bytes] = loop.create_future()
+
+    async def collect(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        done.set_result(await reader.read())
+        writer.close()
+
+    server = await slabnet.start_server(collect, "127.0.0.1", 0, ssl=tls_server_context)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await slabnet.open_connection(
+        "127.0.0.1", port, ssl=tls_client_context, server_hostname="localhost"
+    )
+    engine = writer.transport._proto._tls
+    before = engine.write_calls
+    pieces = [os.urandom(100) for _ in range(100)]  # 10 000 bytes: one record
+    for p in pieces:
+        assert writer.write(p) is None
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert engine.write_calls - before == 1
+    writer.close()
+    assert await asyncio.wait_for(done, 10) == b"".join(pieces)
+    await writer.wait_closed()
+    server.close()
