@@ -582,7 +582,9 @@ class SlabTransport(asyncio.Transport):
 
 
 _TLS_EXTRA: Final = frozenset(
-    {"ssl_object", "peercert", "cipher", "compression", "sslcontext", "peercert_bin"}
+    {"ssl_object", "peercert", "cipher", "compression", "sslcontext", "peercert_bin",
+     # TLSEngine.get_extra_info's own names, beyond asyncio's
+     "server_hostname", "tls_version", "alpn_protocol", "session", "session_reused"}
 )
 
 
