@@ -1,0 +1,131 @@
+"""Shared helpers for the TLS, fault and soak suites.
+
+``RawTLS`` is a TLS peer whose every byte on the wire the test decides: an
+``ssl.SSLObject`` over two ``MemoryBIO``\\ s on a plain non-blocking socket,
+driven by the running loop's ``sock_*`` methods. ``seal()`` returns the
+ciphertext of the given plaintexts, one ``SSLObject.write`` (so one record
+each, for pieces up to 16 KiB) per piece, for the test to send, cut or damage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import struct
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def fds_settle(baseline: int, timeout: float = 5.0) -> int:
+    """Wait until the process is back to ``baseline`` descriptors; return the count."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while (n := open_fds()) > baseline and loop.time() < deadline:
+        await asyncio.sleep(0.02)
+    return n
+
+
+def hard_close(sock: socket.socket) -> None:
+    """Close with SO_LINGER 0: the kernel sends RST instead of FIN."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+class RawTLS:
+    def __init__(
+        self, sock: socket.socket, ctx: ssl.SSLContext, *, server_side: bool,
+        server_hostname: str | None = None,
+    ) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.loop = asyncio.get_running_loop()
+        self.incoming = ssl.MemoryBIO()
+        self.outgoing = ssl.MemoryBIO()
+        self.obj = ctx.wrap_bio(
+            self.incoming, self.outgoing, server_side=server_side,
+            server_hostname=server_hostname,
+        )
+
+    async def _pull(self) -> None:
+        data = await self.loop.sock_recv(self.sock, 65536)
+        if not data:
+            raise ConnectionResetError("RawTLS: peer closed")
+        self.incoming.write(data)
+
+    async def flush(self) -> None:
+        data = self.outgoing.read()
+        if data:
+            await self.loop.sock_sendall(self.sock, data)
+
+    async def handshake(self) -> None:
+        while True:
+            try:
+                self.obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await self.flush()
+                await self._pull()
+        await self.flush()
+
+    def seal(self, *pieces: bytes) -> bytes:
+        for piece in pieces:
+            self.obj.write(piece)
+        return self.outgoing.read()
+
+    async def send(self, wire: bytes) -> None:
+        await self.loop.sock_sendall(self.sock, wire)
+
+    async def recv_plain(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            try:
+                out += self.obj.read(n - len(out))
+            except ssl.SSLWantReadError:
+                await self.flush()
+                await self._pull()
+        return bytes(out)
+
+    async def linger(self, timeout: float = 5.0) -> None:
+        """Read and drop until the other side closes (or resets), then close."""
+        try:
+            async with asyncio.timeout(timeout):
+                while await self.loop.sock_recv(self.sock, 65536):
+                    pass
+        except (OSError, TimeoutError):
+            pass
+        finally:
+            self.sock.close()
+
+    def close_notify(self) -> bytes:
+        try:
+            self.obj.unwrap()
+        except ssl.SSLWantReadError:
+            pass
+        return self.outgoing.read()
+
+    def fatal_alert(self) -> bytes:
+        """A real, encrypted fatal alert: feed our own SSLObject a record it
+        cannot decrypt and return the bad_record_mac alert it answers with."""
+        self.incoming.write(b"\x17\x03\x03\x00\x20" + bytes(32))
+        try:
+            self.obj.read(1)
+        except ssl.SSLError:
+            pass
+        else:  # pragma: no cover
+            raise AssertionError("a forged record was accepted")
+        return self.outgoing.read()
+
+
+def records(wire: bytes) -> list[tuple[int, int, int]]:
+    """(content type, offset, total length) of each record in ``wire``."""
+    out = []
+    off = 0
+    while off + 5 <= len(wire):
+        ctype, _ver, length = struct.unpack_from("!BHH", wire, off)
+        out.append((ctype, off, 5 + length))
+        off += 5 + length
+    return out
