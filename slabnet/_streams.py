@@ -574,7 +574,7 @@ class StreamWriter:
         self._complete_fut.set_result(None)
         # Bound once: write() is the hot path.
         self.write = transport.write  # type: ignore[method-assign]
-        self.writelines = transport.writelines  # type: ignore[method-assign]
+        self.writelines = transport.writelines  # type: ignore[method-assign,assignment]
 
     def __repr__(self) -> str:
         info = [self.__class__.__name__, f"transport={self._transport!r}"]
@@ -803,7 +803,7 @@ async def start_server(
     factory = _server_factory(
         client_connected_cb, limit, ssl, ssl_handshake_timeout, ssl_shutdown_timeout
     )
-    return await loop.create_server(factory, host, port, **kwds)
+    return await loop.create_server(factory, host, port, **kwds)  # type: ignore[arg-type]
 
 
 async def start_unix_server(

@@ -44,7 +44,7 @@ import logging
 import socket
 import ssl
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from ._errors import HandshakeTimeoutError, ShutdownTimeoutError
@@ -208,7 +208,8 @@ class SlabTransport(asyncio.Transport):
         return self._raw.get_extra_info(name, default)
 
     def get_protocol(self) -> asyncio.BaseProtocol:
-        return self._proto._app
+        app: asyncio.BaseProtocol = self._proto._app
+        return app
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self._proto._set_app(protocol)
@@ -632,10 +633,11 @@ class SlabProtocol(asyncio.BufferedProtocol):
         res = _loop_resources(self._loop)
         self._slab = slab or res.slab
         self._pool = res.pool
-        self._app = app
-        self._deliver = getattr(app, "chunk_received", None)
-        if self._deliver is None:
+        self._app: Any = app
+        deliver = getattr(app, "chunk_received", None)
+        if deliver is None:
             raise TypeError(f"{app!r} has no chunk_received(): not a ChunkProtocol")
+        self._deliver: Callable[[memoryview], None] = deliver
         self._tls: TLSEngine | None = None
         self._ssl_args: tuple[Any, ...] | None = None
         if ssl is not None:
@@ -705,7 +707,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         assert tr is not None
         if tls is None:
             self._app_eof = True
-            keep_open = self._app.eof_received()  # type: ignore[attr-defined]
+            keep_open = self._app.eof_received()
             if not keep_open:
                 tr.close()
             return True
@@ -867,7 +869,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
             tr._maybe_close_raw()
             return
         self._app_eof = True
-        keep_open = self._app.eof_received()  # type: ignore[attr-defined]
+        keep_open = self._app.eof_received()
         if keep_open:
             log.debug("%r: eof_received() returned True, ignored over TLS", self._app)
         tr.close()
