@@ -529,22 +529,20 @@ class SlabTransport(asyncio.Transport):
         if not self._writing_paused:
             if size > self._high:
                 self._writing_paused = True
-                try:
-                    self._proto._app.pause_writing()
-                except Exception as exc:  # pragma: no cover - app bug
-                    self._loop.call_exception_handler({
-                        "message": "protocol.pause_writing() failed",
-                        "exception": exc, "transport": self, "protocol": self._proto._app,
-                    })
+                self._notify_app("pause_writing")
         elif size <= self._low:
             self._writing_paused = False
-            try:
-                self._proto._app.resume_writing()
-            except Exception as exc:  # pragma: no cover - app bug
-                self._loop.call_exception_handler({
-                    "message": "protocol.resume_writing() failed",
-                    "exception": exc, "transport": self, "protocol": self._proto._app,
-                })
+            self._notify_app("resume_writing")
+
+    def _notify_app(self, name: str) -> None:
+        app = self._proto._app
+        try:
+            getattr(app, name)()
+        except Exception as exc:  # an application bug: report, carry on
+            self._loop.call_exception_handler({
+                "message": f"protocol.{name}() failed",
+                "exception": exc, "transport": self, "protocol": app,
+            })
 
     def _send_eof(self) -> None:
         self._eof_sent = True
