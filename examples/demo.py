@@ -167,7 +167,6 @@ def main(argv: list[str] | None = None) -> int:
                 summaries.append(run_voice(args, impl, url, certs.ca, Path(tmp) / f"{impl}.json"))
         finally:
             tts_report = stop_tts(tts)
-            print(tts_report, file=sys.stderr)
     elapsed = time.monotonic() - started
 
     print()
