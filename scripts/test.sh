@@ -1,10 +1,35 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need into .venv, then runs the
-# type check, the test suite (both loops) and the benchmark smoke run.
+# type check, the benchmark smoke run and the test suite (both loops); then
+# the core, write-path and soak tests again on every other supported Python
+# found on the machine (3.12, 3.13; each in its own .venv-3.X).
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 echo "== mypy --strict"
 .venv/bin/python -m mypy
 echo "== benchmarks --quick (smoke: every scenario executes; no timing asserted)"
-.venv/bin/python -m benchmarks --quick
-echo "== pytest"
+.venv/bin/python -m benchmarks --quick --no-plots
+echo "== pytest (Python $(.venv/bin/python -c 'import sys; print(sys.version.split()[0])'))"
 .venv/bin/python -m pytest "$@"
+
+other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py)
+[ -f tests/test_soak.py ] && other_tests+=(tests/test_soak.py)
+for minor in 3.12 3.13; do
+    py=$(command -v "python$minor" || true)
+    if [ -z "$py" ] && command -v pyenv >/dev/null; then
+        version=$(pyenv versions --bare 2>/dev/null | grep -E "^${minor//./\\.}\.[0-9]+$" | tail -n 1 || true)
+        [ -n "$version" ] && py="$(pyenv root)/versions/$version/bin/python$minor"
+    fi
+    if [ -z "$py" ] || [ ! -x "$py" ]; then
+        echo "== Python $minor: not installed here, skipped"
+        continue
+    fi
+    venv=".venv-$minor"
+    if [ ! -x "$venv/bin/python" ] || [ pyproject.toml -nt "$venv/.slabnet-installed" ]; then
+        "$py" -m venv "$venv"
+        "$venv/bin/python" -m pip install -q --upgrade pip
+        "$venv/bin/python" -m pip install -q -e ".[test]"
+        touch "$venv/.slabnet-installed"
+    fi
+    echo "== pytest on Python $minor: ${other_tests[*]}"
+    "$venv/bin/python" -m pytest -q "${other_tests[@]}"
+done
