@@ -16,19 +16,7 @@ def summarize(results: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any]:
     """One summary dict out of the workers' result dicts (JSON-serializable)."""
     lag = [x for r in results for x in r["lag_ms"]]
     first = [x for r in results for x in r["first_audio_ms"]]
-    # Sum the workers' samples taken at the same offset from the common start.
-    by_t: dict[float, list[float]] = {}
-    for r in results:
-        for t, queued, retained, pinned, lag_max in r["series"]:
-            row = by_t.setdefault(t, [0, 0, 0, 0, 0.0])
-            row[0] += 1
-            row[1] += queued
-            row[2] += retained
-            row[3] += pinned or 0
-            row[4] = max(row[4], lag_max)
-    n = len(results)
-    # (seconds since start, queued audio bytes, retained bytes, pinned bytes, max lag ms)
-    series = [tuple(row[1:]) and (t, *row[1:]) for t, row in sorted(by_t.items()) if row[0] == n]
+    series = _combine_series([r["series"] for r in results])
     peak_queued = max((s[1] for s in series), default=0)
     peak_retained = max((s[2] for s in series), default=0)
     has_pinned = any(r["memory_stats"] for r in results)
@@ -38,7 +26,7 @@ def summarize(results: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any]:
 
     return {
         **info,
-        "workers": n,
+        "workers": len(results),
         "calls": total("calls"),
         "connected": total("connected"),
         "frames": total("frames"),
@@ -75,6 +63,39 @@ def summarize(results: Sequence[dict[str, Any]], **info: Any) -> dict[str, Any]:
         "underrun_log": sorted(u for r in results for u in r["underrun_log"])[:100],
         "leftover_tasks": [t for r in results for t in r["leftover_tasks"]],
     }
+
+
+def _combine_series(per_worker: Sequence[Sequence[Sequence[Any]]]) -> list[tuple[Any, ...]]:
+    """Sum the workers' samples on a common 0.25 s grid.
+
+    Each worker samples on its own schedule (late when its loop is late);
+    at every grid time each worker contributes its latest sample taken at
+    or before that time. Rows are (seconds since start, queued audio bytes,
+    retained bytes, pinned bytes, max loop lag in ms since the previous
+    sample of any worker).
+    """
+    if not per_worker or not all(per_worker):
+        return []
+    end = min(s[-1][0] for s in per_worker)
+    out: list[tuple[Any, ...]] = []
+    index = [0] * len(per_worker)
+    grid = 0.0
+    while grid <= end + 1e-9:
+        queued = retained = pinned = 0
+        lag = 0.0
+        for w, samples in enumerate(per_worker):
+            i = index[w]
+            while i + 1 < len(samples) and samples[i + 1][0] <= grid + 1e-9:
+                i += 1
+                lag = max(lag, samples[i][4])
+            index[w] = i
+            _, q, r, p, _lag = samples[i]
+            queued += q
+            retained += r
+            pinned += p or 0
+        out.append((round(grid, 2), queued, retained, pinned, lag))
+        grid += 0.25
+    return out
 
 
 def _mb(n: float | None) -> str:

@@ -284,18 +284,23 @@ class Worker:
         loop = asyncio.get_running_loop()
         impl = self.config.impl
         k = lag_seen = 0
+        next_progress = 1.0
         while True:
+            # Sample on a fixed grid; when the loop is late, skip the grid
+            # points already missed rather than taking them back to back.
             await asyncio.sleep(max(0.0, t0 + k * SAMPLE_S - loop.time()))
+            elapsed = loop.time() - t0
+            k = int(elapsed / SAMPLE_S) + 1
             retained = rss_bytes() - baseline
             pinned = pinned_bytes(memory_stats(impl))
             recent_lag = max(self.lag_ms[lag_seen:], default=0.0)
             lag_seen = len(self.lag_ms)
-            self.series.append((round(k * SAMPLE_S, 3), self.queued, retained, pinned, recent_lag))
-            k += 1
-            if self.progress is not None and k % round(1 / SAMPLE_S) == 0:
+            self.series.append((round(elapsed, 3), self.queued, retained, pinned, recent_lag))
+            if self.progress is not None and elapsed >= next_progress:
+                next_progress = int(elapsed) + 1.0
                 recent = self.lag_ms[-round(1 / PROBE_S):]
                 self.progress({
-                    "t": round(k * SAMPLE_S, 1),
+                    "t": round(elapsed, 1),
                     "active": len(self.active),
                     "underruns": sum(c.underruns for c in self.calls),
                     "lag_p99_ms": percentile(recent, 99),
