@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--impls", default=",".join(IMPLS),
                    help="comma-separated, in run order (default slabnet,asyncio)")
     p.add_argument("--rate", type=int, choices=(8000, 16000), default=8000)
+    p.add_argument("--stagger", type=float,
+                   help="spread call starts over this many seconds (default: 250 calls/s, >= 1 s)")
     p.add_argument("--tts-impl", choices=IMPLS,
                    help="TTS service streams (default: slabnet if importable, else asyncio)")
     p.add_argument("--tts-loop", choices=LOOPS,
@@ -95,6 +97,8 @@ def run_voice(args: argparse.Namespace, impl: str, url: str, ca: Path, out: Path
         "--duration", str(args.duration), "--workers", str(args.workers),
         "--rate", str(args.rate), "--json", str(out), "--label", impl,
     ]
+    if args.stagger is not None:
+        cmd += ["--stagger", str(args.stagger)]
     rc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL).returncode
     if not out.exists():
         raise RuntimeError(f"voice server ({impl}) exited with {rc} and wrote no summary")
@@ -170,7 +174,9 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
 
     print()
-    print(f"{args.calls} calls x {args.duration:g} s, {args.workers} voice worker(s), loop={args.loop}, "
+    stagger = summaries[0].get("stagger", 0)
+    print(f"{args.calls} calls x {args.duration:g} s (starting over {stagger:g} s), "
+          f"{args.workers} voice worker(s), loop={args.loop}, "
           f"{args.rate} Hz s16le in 20 ms frames; TTS service: {tts_impl} on {args.tts_loop}, "
           f"{args.tts_workers} worker(s), 5x real time")
     print(format_table(summaries))

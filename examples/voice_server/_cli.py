@@ -16,6 +16,16 @@ from ._report import format_progress, format_table, summarize
 from ._worker import VoiceConfig, Worker
 
 
+# Default call arrival rate while the run ramps up. A thousand callers do not
+# dial in the same second; starting them all within 1 s would have every
+# call's first prompt stream at 5x real time at once (40 MB/s for 500 calls).
+ARRIVALS_PER_S = 250
+
+
+def default_stagger(calls: int) -> float:
+    return max(1.0, calls / ARRIVALS_PER_S)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m examples.voice_server",
@@ -33,7 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rate", type=int, choices=SAMPLE_RATES, default=8000, help="audio sample rate")
     p.add_argument("--low-water", type=float, default=1.0,
                    help="ask for the next prompt below this many seconds of queued audio")
-    p.add_argument("--stagger", type=float, default=1.0, help="spread call starts over this long")
+    p.add_argument("--stagger", type=float, default=None,
+                   help="spread call starts over this many seconds (default: calls arrive "
+                        f"at {ARRIVALS_PER_S} per second, at least over 1 s)")
     p.add_argument("--rtp", metavar="HOST:PORT",
                    help="send RTP here (default: a local UDP socket nobody reads)")
     p.add_argument("--json", metavar="PATH", help="write the summary (with time series) here")
@@ -53,7 +65,8 @@ def config_from_args(args: argparse.Namespace) -> VoiceConfig:
     return VoiceConfig(
         tts_host=url.hostname, tts_port=url.port or 443, ca=args.ca,
         server_hostname=args.server_hostname, impl=args.impl, rate=args.rate,
-        duration=args.duration, stagger_s=args.stagger, low_water_s=args.low_water,
+        duration=args.duration, stagger_s=default_stagger(args.calls) if args.stagger is None
+        else args.stagger, low_water_s=args.low_water,
         rtp_sink=rtp,
     )
 
@@ -168,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         progress.finish()
     summary = summarize(results, impl=args.impl, loop=args.loop, duration=args.duration,
-                        rate=args.rate)
+                        rate=args.rate, stagger=config.stagger_s)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(summary, f)
