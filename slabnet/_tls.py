@@ -474,10 +474,15 @@ class TLSEngine:
             final = scanner.error
         elif self._input_closed:
             partial = self._incoming.pending
-            if partial:
+            # OpenSSL may already have pulled the start of a cut record out
+            # of the BIO into its own buffer (an over-read, TLS 1.3), so the
+            # BIO can be empty; the scanner still sees that the stream did
+            # not end on a record boundary.
+            if partial or scanner._next_header != scanner.fed:
                 final = TLSTruncatedError(
                     "the peer closed the connection in the middle of a TLS"
-                    f" record ({partial} bytes of it arrived)"
+                    " record"
+                    + (f" ({partial} bytes of it were not read)" if partial else "")
                 )
             elif self._ragged_eof:
                 self._read_final = _EOF
