@@ -10,14 +10,25 @@ each, for pieces up to 16 KiB) per piece, for the test to send, cut or damage.
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import gc
 import os
 import socket
 import ssl
 import struct
+import termios
 
 
 def open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+    """Open socket descriptors of this process. (Only sockets: libuv keeps
+    a spare /dev/null descriptor per loop once it has a listening socket.)"""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:  # the descriptor listdir itself used
+            pass
+    return n
 
 
 async def fds_settle(baseline: int, timeout: float = 5.0) -> int:
@@ -25,8 +36,24 @@ async def fds_settle(baseline: int, timeout: float = 5.0) -> int:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while (n := open_fds()) > baseline and loop.time() < deadline:
+        gc.collect()  # a traceback kept by pytest.raises may hold a socket
         await asyncio.sleep(0.02)
     return n
+
+
+async def wait_acked(sock: socket.socket, timeout: float = 3.0) -> None:
+    """Wait until the peer's kernel has acknowledged every byte we sent (a
+    RST discards what is still in our send queue, so only acknowledged bytes
+    can be expected at the other end)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        queued = struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, b"\0" * 4))[0]
+        if not queued:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"{queued} bytes never acknowledged by the peer")
+        await asyncio.sleep(0.005)
 
 
 def hard_close(sock: socket.socket) -> None:

@@ -1,0 +1,626 @@
+"""Faults and bad input (issue 7), on real sockets, on both loops.
+
+Each test checks three things where they apply: the data that arrived before
+the fault is delivered, the fault surfaces as a specific exception (never a
+hang: every wait is bounded), and no file descriptor is left behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import os
+import resource
+import socket
+import ssl
+import struct
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+import trustme
+
+import slabnet
+from conftest import RawTLS, fds_settle, hard_close, open_fds, records, wait_acked
+
+TLS12 = ssl.TLSVersion.TLSv1_2
+TLS13 = ssl.TLSVersion.TLSv1_3
+VERSIONS = pytest.mark.parametrize("version", [TLS12, TLS13], ids=["tls12", "tls13"])
+LIMIT = 2**16  # StreamReader's default limit; it pauses above twice this
+READ_SIZE = 2**16  # the largest single read (the slab size)
+WAKE = 3.0  # seconds any waiter may take to wake after a fault
+
+
+@pytest.fixture(scope="session")
+def server_cert(tls_ca: Any) -> Any:
+    return tls_ca.issue_cert("localhost", "127.0.0.1")
+
+
+def server_ctx(cert: Any, version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(ctx)
+    if version is not None:
+        ctx.minimum_version = ctx.maximum_version = version
+    return ctx
+
+
+def client_ctx(ca: Any, version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    ca.configure_trust(ctx)
+    if version is not None:
+        ctx.minimum_version = ctx.maximum_version = version
+    return ctx
+
+
+@pytest_asyncio.fixture
+async def listener() -> AsyncIterator[socket.socket]:
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.setblocking(False)
+    yield sock
+    sock.close()
+
+
+async def accept(listener: socket.socket) -> socket.socket:
+    conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+    conn.setblocking(False)
+    return conn
+
+
+async def tls_client(listener: socket.socket, ca: Any, **kw: Any) -> tuple[slabnet.StreamReader, slabnet.StreamWriter]:
+    port = listener.getsockname()[1]
+    return await slabnet.open_connection(
+        "127.0.0.1", port, ssl=client_ctx(ca), server_hostname="localhost", **kw
+    )
+
+
+async def read_all(reader: slabnet.StreamReader) -> tuple[bytes, BaseException | None]:
+    parts = []
+    while True:
+        try:
+            data = await asyncio.wait_for(reader.read(READ_SIZE), WAKE)
+        except (ConnectionError, ssl.SSLError) as exc:
+            return b"".join(parts), exc
+        if not data:
+            return b"".join(parts), None
+        parts.append(data)
+
+
+def rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def closed(writer: slabnet.StreamWriter) -> None:
+    writer.close()
+    try:
+        await asyncio.wait_for(writer.wait_closed(), WAKE)
+    except (ConnectionError, ssl.SSLError):
+        pass
+
+
+# ---------------------------------------------------------------- peer reset
+
+
+@pytest.mark.parametrize("paused", [False, True], ids=["reading", "paused"])
+@pytest.mark.asyncio
+async def test_peer_reset_mid_transfer_plain(listener: socket.socket, paused: bool) -> None:
+    baseline = open_fds()
+    # More than the reader buffers before it pauses (2 x 64 KiB), less than
+    # that plus the receive window, so all of it gets acknowledged.
+    payload = os.urandom(224 * 1024)
+    connected = asyncio.Event()
+
+    async def peer() -> None:
+        conn = await accept(listener)
+        await connected.wait()
+        await asyncio.get_running_loop().sock_sendall(conn, payload)
+        await wait_acked(conn)
+        hard_close(conn)
+
+    task = asyncio.create_task(peer())
+    reader, writer = await slabnet.open_connection("127.0.0.1", listener.getsockname()[1])
+    connected.set()
+    if paused:
+        await task  # the RST arrives while reading is paused
+        await asyncio.sleep(0.1)
+        assert not writer.transport.is_reading()
+    data, exc = await read_all(reader)
+    await task
+    assert len(data) == len(payload) and data == payload
+    assert isinstance(exc, ConnectionResetError), repr(exc)
+    writer.close()
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.asyncio
+async def test_peer_reset_mid_transfer_tls(listener: socket.socket, server_cert: Any, tls_ca: Any) -> None:
+    baseline = open_fds()
+    payload = os.urandom(200 * 1024)
+
+    async def peer() -> None:
+        tls = RawTLS(await accept(listener), server_ctx(server_cert), server_side=True)
+        await tls.handshake()
+        await tls.send(tls.seal(*(payload[i : i + 16384] for i in range(0, len(payload), 16384))))
+        await wait_acked(tls.sock)
+        hard_close(tls.sock)
+
+    task = asyncio.create_task(peer())
+    reader, writer = await tls_client(listener, tls_ca)
+    await task
+    await asyncio.sleep(0.1)
+    data, exc = await read_all(reader)
+    assert len(data) == len(payload) and data == payload
+    assert isinstance(exc, ConnectionResetError), repr(exc)
+    writer.close()
+    assert await fds_settle(baseline) <= baseline
+
+
+# ---------------------------------------------------------------- certificates
+
+
+def _expired_cert(ca: Any) -> Any:
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return ca.issue_cert(
+        "localhost", not_before=now - datetime.timedelta(days=30),
+        not_after=now - datetime.timedelta(days=1),
+    )
+
+
+@pytest.mark.parametrize(
+    ("case", "code", "text"),
+    [
+        ("wrong_ca", 20, "unable to get local issuer certificate"),
+        ("hostname", 62, "Hostname mismatch"),
+        ("expired", 10, "certificate has expired"),
+    ],
+)
+@pytest.mark.asyncio
+async def test_certificate_verification_fails_clearly(
+    server_cert: Any, tls_ca: Any, case: str, code: int, text: str
+) -> None:
+    baseline = open_fds()
+    if case == "wrong_ca":
+        cert = trustme.CA().issue_cert("localhost", "127.0.0.1")
+    elif case == "expired":
+        cert = _expired_cert(tls_ca)
+    else:
+        cert = server_cert
+    handled = []
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        handled.append(writer)
+        writer.close()
+
+    server = await slabnet.start_server(handle, "127.0.0.1", 0, ssl=server_ctx(cert))
+    port = server.sockets[0].getsockname()[1]
+    hostname = "wrong.example.org" if case == "hostname" else "localhost"
+    with pytest.raises(ssl.SSLCertVerificationError) as info:
+        await asyncio.wait_for(
+            slabnet.open_connection("127.0.0.1", port, ssl=client_ctx(tls_ca), server_hostname=hostname),
+            WAKE,
+        )
+    assert info.value.verify_code == code, info.value
+    assert text in str(info.value)
+    assert "certificate verify failed" in str(info.value)
+    await asyncio.sleep(0.1)
+    assert handled == []  # the server never got a connection
+    server.close()
+    await server.wait_closed()
+    assert await fds_settle(baseline) <= baseline
+
+
+# ---------------------------------------------------------------- bad TLS input
+
+
+@pytest.mark.asyncio
+async def test_garbage_instead_of_a_handshake_client_side(listener: socket.socket, tls_ca: Any) -> None:
+    baseline = open_fds()
+
+    async def peer() -> None:
+        conn = await accept(listener)
+        await asyncio.get_running_loop().sock_sendall(conn, b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        await asyncio.sleep(0.5)
+        conn.close()
+
+    task = asyncio.create_task(peer())
+    with pytest.raises(ssl.SSLError) as info:
+        await asyncio.wait_for(tls_client(listener, tls_ca), WAKE)
+    assert isinstance(info.value, slabnet.TLSRecordError), repr(info.value)
+    assert "content type 72" in str(info.value)  # "H"
+    await task
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.asyncio
+async def test_garbage_instead_of_a_handshake_server_side(server_cert: Any) -> None:
+    baseline = open_fds()
+    handled = []
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        handled.append(writer)
+
+    server = await slabnet.start_server(handle, "127.0.0.1", 0, ssl=server_ctx(server_cert))
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+        got = await asyncio.wait_for(reader.read(), WAKE)
+    except ConnectionResetError:
+        got = b""
+    assert not got.startswith(b"HTTP")  # nothing but maybe a TLS alert
+    assert handled == []
+    writer.close()
+    server.close()
+    await server.wait_closed()
+    assert await fds_settle(baseline) <= baseline
+
+
+# RFC 8446 §5.2: TLSCiphertext.length <= 2^14 + 256; RFC 5246 §6.2.3:
+# <= 2^14 + 2048.
+LIMITS = {TLS12: 2**14 + 2048, TLS13: 2**14 + 256}
+
+
+@VERSIONS
+@pytest.mark.asyncio
+async def test_record_longer_than_allowed_after_data(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, version: ssl.TLSVersion
+) -> None:
+    good = os.urandom(20_000)
+
+    async def peer() -> None:
+        tls = RawTLS(await accept(listener), server_ctx(server_cert, version), server_side=True)
+        await tls.handshake()
+        bad = struct.pack("!BHH", 23, 0x0303, LIMITS[version] + 1) + os.urandom(200)
+        await tls.send(tls.seal(good[:10_000], good[10_000:]) + bad)
+        await tls.linger()
+
+    task = asyncio.create_task(peer())
+    reader, writer = await tls_client(listener, tls_ca)
+    assert await asyncio.wait_for(reader.readexactly(len(good)), WAKE) == good
+    with pytest.raises(slabnet.TLSRecordError) as info:
+        await asyncio.wait_for(reader.read(1), WAKE)
+    assert f"length {LIMITS[version] + 1} is above the limit of {LIMITS[version]}" in str(info.value)
+    writer.close()
+    await task
+
+
+async def _raw_client(port: int, ca: Any, version: ssl.TLSVersion | None = None) -> RawTLS:
+    sock = socket.create_connection(("127.0.0.1", port))
+    tls = RawTLS(sock, client_ctx(ca, version), server_side=False, server_hostname="localhost")
+    await tls.handshake()
+    return tls
+
+
+@pytest.mark.parametrize("fault", ["corrupt_mac", "alert", "fin_without_close_notify"])
+@VERSIONS
+@pytest.mark.asyncio
+async def test_bad_input_to_a_server_after_data(
+    server_cert: Any, tls_ca: Any, version: ssl.TLSVersion, fault: str
+) -> None:
+    baseline = open_fds()
+    good = os.urandom(50_000)
+    result: asyncio.Future[tuple[bytes, BaseException | None]] = (
+        asyncio.get_running_loop().create_future()
+    )
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        result.set_result(await read_all(reader))
+        writer.close()
+
+    server = await slabnet.start_server(handle, "127.0.0.1", 0, ssl=server_ctx(server_cert, version))
+    tls = await _raw_client(server.sockets[0].getsockname()[1], tls_ca, version)
+    wire = tls.seal(*(good[i : i + 5000] for i in range(0, len(good), 5000)))
+    if fault == "corrupt_mac":
+        tail = bytearray(tls.seal(b"x" * 300))
+        tail[-1] ^= 1
+        wire += bytes(tail)
+    elif fault == "alert":
+        wire += tls.fatal_alert()
+    await tls.send(wire)
+    if fault == "fin_without_close_notify":
+        tls.sock.shutdown(socket.SHUT_WR)
+    data, exc = await asyncio.wait_for(result, WAKE)
+    assert data == good
+    if fault == "corrupt_mac":
+        assert isinstance(exc, ssl.SSLError) and exc.reason == "DECRYPTION_FAILED_OR_BAD_RECORD_MAC", repr(exc)
+    elif fault == "alert":
+        assert isinstance(exc, ssl.SSLError) and exc.reason == "SSLV3_ALERT_BAD_RECORD_MAC", repr(exc)
+    else:
+        assert isinstance(exc, slabnet.TLSTruncatedError), repr(exc)
+    await tls.linger()
+    server.close()
+    await server.wait_closed()
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.asyncio
+async def test_cut_record_is_truncation_even_with_ragged_eof(
+    listener: socket.socket, server_cert: Any, tls_ca: Any
+) -> None:
+    async def peer() -> None:
+        tls = RawTLS(await accept(listener), server_ctx(server_cert), server_side=True)
+        await tls.handshake()
+        wire = tls.seal(b"a" * 1000, b"b" * 1000)
+        _, off, length = records(wire)[-1]
+        await tls.send(wire[: off + length // 2])
+        tls.sock.close()
+
+    task = asyncio.create_task(peer())
+    reader, writer = await tls_client(listener, tls_ca, ssl_ragged_eof=True)
+    data, exc = await read_all(reader)
+    await task
+    assert data == b"a" * 1000
+    assert isinstance(exc, slabnet.TLSTruncatedError), repr(exc)
+    writer.close()
+
+
+@pytest.mark.asyncio
+async def test_silent_client_hits_the_server_handshake_timeout(server_cert: Any) -> None:
+    baseline = open_fds()
+    handled = []
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        handled.append(writer)
+
+    server = await slabnet.start_server(
+        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert), ssl_handshake_timeout=0.3
+    )
+    port = server.sockets[0].getsockname()[1]
+    loop = asyncio.get_running_loop()
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setblocking(False)
+    start = loop.time()
+    try:
+        got = await asyncio.wait_for(loop.sock_recv(sock, 100), WAKE)
+    except ConnectionResetError:
+        got = b""
+    elapsed = loop.time() - start
+    sock.close()
+    assert got == b"" and 0.25 <= elapsed < 2, (got, elapsed)
+    assert handled == []
+    server.close()
+    await server.wait_closed()
+    assert await fds_settle(baseline) <= baseline
+
+
+# ---------------------------------------------------------------- memory
+
+
+@pytest.mark.slow
+@pytest.mark.asyncio
+async def test_slow_consumer_memory_stays_bounded(listener: socket.socket) -> None:
+    total = 256 * 1024 * 1024
+    block = os.urandom(1024 * 1024)
+    rss_before = rss()
+
+    async def sender() -> None:
+        conn = await accept(listener)
+        loop = asyncio.get_running_loop()
+        for _ in range(total // len(block)):
+            await loop.sock_sendall(conn, block)
+        conn.close()
+
+    task = asyncio.create_task(sender())
+    reader, writer = await slabnet.open_connection("127.0.0.1", listener.getsockname()[1])
+    got = reads = 0
+    max_buffered = max_pinned = 0
+    paused = 0
+    while True:
+        chunk = await asyncio.wait_for(reader.read_chunk(), WAKE)
+        if not chunk:
+            break
+        # the payload repeats `block`: check each chunk where it falls
+        off = got % len(block)
+        n = min(len(chunk), len(block) - off)
+        assert chunk[:n] == block[off : off + n]
+        got += len(chunk)
+        reads += 1
+        del chunk
+        if reads % 16 == 0:
+            await asyncio.sleep(0.001)  # slow consumer
+            max_buffered = max(max_buffered, reader._size)
+            paused += not writer.transport.is_reading()
+        if reads % 256 == 0:
+            max_pinned = max(max_pinned, slabnet.memory_stats().pinned_bytes)
+    await task
+    assert got == total
+    assert paused > 0, "reading never paused"
+    assert max_buffered <= 2 * LIMIT + READ_SIZE, max_buffered
+    assert max_pinned <= 1024 * 1024, max_pinned
+    assert rss() - rss_before < 64 * 1024 * 1024
+    writer.close()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_consumer_that_never_reads_does_not_grow(server_cert: Any, tls_ca: Any, tls: bool) -> None:
+    baseline = open_fds()
+    conns: asyncio.Queue[tuple[slabnet.StreamReader, slabnet.StreamWriter]] = asyncio.Queue()
+    stop = asyncio.Event()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        await conns.put((reader, writer))
+        await stop.wait()  # never reads
+        writer.close()
+
+    server = await slabnet.start_server(
+        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
+    )
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await slabnet.open_connection(
+        "127.0.0.1", port, ssl=client_ctx(tls_ca) if tls else None,
+        server_hostname="localhost" if tls else None,
+    )
+    s_reader, s_writer = await conns.get()
+    block = os.urandom(1024 * 1024)
+    rss_before = rss()
+    sent = 0
+    try:
+        while sent < 256 * 1024 * 1024:  # bounded: stops long before when blocked
+            writer.write(block)
+            await asyncio.wait_for(writer.drain(), 1.0)
+            sent += len(block)
+    except TimeoutError:
+        pass
+    await asyncio.sleep(0.2)
+    assert sent < 64 * 1024 * 1024, "the sender was never blocked"
+    assert not s_writer.transport.is_reading()
+    assert s_reader._size <= 2 * LIMIT + READ_SIZE, s_reader._size
+    if tls:
+        engine = s_writer.transport._proto._tls
+        assert engine.buffered_ciphertext <= 4 * READ_SIZE, engine.buffered_ciphertext
+    assert rss() - rss_before < 48 * 1024 * 1024
+    writer.transport.abort()
+    stop.set()
+    server.close()
+    await server.wait_closed()
+    assert await fds_settle(baseline) <= baseline
+
+
+# ---------------------------------------------------------------- pending waiters
+
+
+async def _blocked_write(writer: slabnet.StreamWriter) -> slabnet.WriteRequest:
+    """Fill the kernel buffers towards a peer that does not read; return the
+    WriteRequest of a write queued behind them."""
+    first = writer.write(os.urandom(32 * 1024 * 1024))  # far more than the kernel holds
+    if writer.transport.get_extra_info("ssl_object") is None:
+        assert isinstance(first, slabnet.WriteRequest)  # plain: queued at once
+    await asyncio.sleep(0.05)  # TLS encrypts and sends at the end of the iteration
+    req = writer.write(b"behind the queue" * 1000)
+    assert isinstance(req, slabnet.WriteRequest) and not req.done()
+    await asyncio.sleep(0.02)
+    assert not req.done()
+    return req
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_peer_reset_wakes_every_waiter(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, tls: bool
+) -> None:
+    baseline = open_fds()
+    accepted: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    async def peer() -> None:
+        conn = await accept(listener)
+        if tls:
+            raw = RawTLS(conn, server_ctx(server_cert), server_side=True)
+            await raw.handshake()
+        accepted.set_result(conn)  # and never reads again
+
+    task = asyncio.create_task(peer())
+    if tls:
+        reader, writer = await tls_client(listener, tls_ca)
+    else:
+        reader, writer = await slabnet.open_connection("127.0.0.1", listener.getsockname()[1])
+    conn = await accepted
+    await task
+    req = await _blocked_write(writer)
+    drain = asyncio.ensure_future(writer.drain())
+    read = asyncio.ensure_future(reader.read(100))
+    await asyncio.sleep(0.05)
+    assert not drain.done() and not read.done()
+    hard_close(conn)
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(req, WAKE)
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(drain, WAKE)
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(read, WAKE)
+    writer.close()
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.parametrize("how", ["close", "abort"])
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_local_close_wakes_a_pending_read(
+    echo_server: tuple[str, int], tls_echo_server: tuple[str, int],
+    tls_client_context: ssl.SSLContext, tls: bool, how: str,
+) -> None:
+    baseline = open_fds()
+    if tls:
+        host, port = tls_echo_server
+        reader, writer = await slabnet.open_connection(
+            host, port, ssl=tls_client_context, server_hostname="localhost"
+        )
+    else:
+        reader, writer = await slabnet.open_connection(*echo_server)
+    read = asyncio.ensure_future(reader.read(100))
+    await asyncio.sleep(0.05)
+    assert not read.done()
+    if how == "close":
+        writer.close()
+    else:
+        writer.transport.abort()
+    # As with asyncio's streams, a connection closed on our side reads as
+    # EOF; what matters is that the reader wakes.
+    assert await asyncio.wait_for(read, WAKE) == b""
+    with pytest.raises((ConnectionError, RuntimeError)):
+        writer.write(b"late")
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_local_abort_fails_pending_writes(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, tls: bool
+) -> None:
+    baseline = open_fds()
+    peer_conn: list[socket.socket] = []
+
+    async def peer() -> None:
+        conn = await accept(listener)
+        peer_conn.append(conn)
+        if tls:
+            await RawTLS(conn, server_ctx(server_cert), server_side=True).handshake()
+
+    task = asyncio.create_task(peer())
+    if tls:
+        reader, writer = await tls_client(listener, tls_ca)
+    else:
+        reader, writer = await slabnet.open_connection("127.0.0.1", listener.getsockname()[1])
+    await task
+    req = await _blocked_write(writer)
+    drain = asyncio.ensure_future(writer.drain())
+    await asyncio.sleep(0.01)
+    writer.transport.abort()
+    with pytest.raises(ConnectionAbortedError):
+        await asyncio.wait_for(req, WAKE)
+    # the drain waiter wakes (asyncio resolves it when the connection goes)
+    await asyncio.wait_for(asyncio.gather(drain, return_exceptions=True), WAKE)
+    with pytest.raises(ConnectionError):
+        await writer.drain()
+    for conn in peer_conn:
+        conn.close()
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.asyncio
+async def test_many_failed_connections_leak_nothing(listener: socket.socket, tls_ca: Any) -> None:
+    # Handshakes that fail in every way the client can see, repeated: the
+    # descriptor count and the loop's reader count come back.
+    baseline = open_fds()
+    loop = asyncio.get_running_loop()
+
+    async def peers() -> None:
+        for i in range(30):
+            conn = await accept(listener)
+            if i % 3 == 0:
+                hard_close(conn)
+            elif i % 3 == 1:
+                await loop.sock_sendall(conn, b"\x15\x03\x03\x00\x02\x02\x28")  # plaintext alert
+                conn.close()
+            else:
+                conn.close()
+
+    task = asyncio.create_task(peers())
+    for _ in range(30):
+        with pytest.raises((ConnectionError, ssl.SSLError)):
+            await asyncio.wait_for(tls_client(listener, tls_ca), WAKE)
+    await task
+    assert await fds_settle(baseline) <= baseline
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    assert usage.ru_maxrss > 0
