@@ -23,11 +23,14 @@ from typing import Any
 
 import pytest
 
-from examples._common import frame_bytes, impl_available, make_certs, server_ssl_context
-from examples.tts_service import ServiceConfig, serve, synthetic_pcm
-from examples.voice_server import VoiceConfig, Worker
-
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
+    sys.path.insert(0, str(ROOT))
+
+from examples._common import frame_bytes, impl_available, make_certs, server_ssl_context  # noqa: E402
+from examples.tts_service import ServiceConfig, serve, synthetic_pcm  # noqa: E402
+from examples.voice_server import VoiceConfig, Worker  # noqa: E402
+
 CALLS = 20
 DURATION_S = 3.0
 RATE = 8000
