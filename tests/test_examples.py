@@ -125,8 +125,12 @@ async def test_calls_play_byte_exact_audio_without_underruns(
     assert loop_errors == []
     leaks = [w for w in caught if issubclass(w.category, ResourceWarning)]
     assert leaks == [], [str(w.message) for w in leaks]
+    assert result["reads"] > 0
     if impl == "slabnet":
         assert result["memory_stats"] is not None
+        # Seed 000: every TLS chunk owns its whole buffer, so queueing it
+        # could never pin a shared slab.
+        assert result["reads_shared"] == 0
 
 
 def test_command_line_two_workers_each(certs: Any) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import functools
 import hashlib
 import ssl
 from typing import TYPE_CHECKING, Any
@@ -51,7 +50,7 @@ class Call:
         "index", "worker", "reader", "writer", "conn", "read", "chunks", "queued",
         "playing", "start_at", "end_at", "wake", "waiting", "done", "first_frame_at",
         "underruns", "frames", "late_frames", "phrases_ok", "phrases_bad",
-        "bytes_received", "bytes_dropped", "fetching", "seq", "timestamp", "ssrc", "source",
+        "bytes_received", "bytes_dropped", "fetching", "reads", "read_bytes", "reads_shared", "seq", "timestamp", "ssrc", "source",
     )
 
     def __init__(self, index: int, worker: Worker) -> None:
@@ -78,6 +77,9 @@ class Call:
         self.bytes_received = 0
         self.bytes_dropped = 0  # still queued at hang-up
         self.fetching = False
+        self.reads = 0  # network reads (TLS plaintext chunks) and their bytes
+        self.read_bytes = 0
+        self.reads_shared = 0  # slabnet chunks that view part of a larger buffer
         self.seq = index * 7919 & 0xFFFF
         self.timestamp = index * 104729 & 0xFFFFFFFF
         self.ssrc = 0x5AB0000 + index
@@ -93,9 +95,9 @@ class Call:
             server_hostname=cfg.server_hostname,
         )
         if cfg.impl == "slabnet":
-            self.read = self.reader.read_chunk  # one TLS read, no copy
+            self.read = self._read_chunk
         else:
-            self.read = functools.partial(self.reader.read, READ_SIZE)
+            self.read = self._read_bytes
         status, _ = await self._request("/v1/health")
         if status != 200:
             raise CallError(f"health check answered {status}")
@@ -110,6 +112,30 @@ class Call:
         self.writer.close()
         with contextlib.suppress(OSError, ssl.SSLError):
             await self.writer.wait_closed()
+
+    async def _read_chunk(self) -> Any:
+        """slabnet: one read-only chunk as the transport delivered it, no copy.
+
+        Counts reads and checks the seed-000 property on each: the chunk is
+        the whole of the object it views, so holding it could pin nothing
+        else.
+        """
+        chunk = await self.reader.read_chunk()
+        n = len(chunk)
+        if n:
+            self.reads += 1
+            self.read_bytes += n
+            owner = chunk.obj
+            if owner is None or len(owner) != n:
+                self.reads_shared += 1
+        return chunk
+
+    async def _read_bytes(self) -> bytes:
+        data: bytes = await self.reader.read(READ_SIZE)
+        if data:
+            self.reads += 1
+            self.read_bytes += len(data)
+        return data
 
     async def _next_event(self) -> Any:
         conn = self.conn
