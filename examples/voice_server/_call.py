@@ -27,16 +27,16 @@ import h11
 
 from .._common import PHRASES, SAMPLE_WIDTH
 
-# Streamed once per connection before the baseline; about 1 s of speech.
-WARMUP_PHRASE = "One moment please."
-
 if TYPE_CHECKING:
     from ._worker import Worker
 
 __all__ = ["Call", "CallError"]
 
-# Read size for plain asyncio streams (slabnet hands out its own chunks).
+# Read size for plain asyncio streams (slabnet hands out its own chunks);
+# the same as asyncio's default StreamReader limit.
 READ_SIZE = 64 * 1024
+# Streamed once per connection before the memory baseline; about 1 s of speech.
+WARMUP_PHRASE = "One moment please."
 
 
 class CallError(Exception):
@@ -50,7 +50,8 @@ class Call:
         "index", "worker", "reader", "writer", "conn", "read", "chunks", "queued",
         "playing", "start_at", "end_at", "wake", "waiting", "done", "first_frame_at",
         "underruns", "frames", "late_frames", "phrases_ok", "phrases_bad",
-        "bytes_received", "bytes_dropped", "fetching", "reads", "read_bytes", "reads_shared", "seq", "timestamp", "ssrc", "source",
+        "bytes_received", "bytes_dropped", "fetching", "reads", "read_bytes", "reads_shared",
+        "seq", "timestamp", "ssrc", "source",
     )
 
     def __init__(self, index: int, worker: Worker) -> None:

@@ -217,6 +217,7 @@ class Worker:
 
     async def _playout(self, t0: float) -> None:
         loop = asyncio.get_running_loop()
+        tick = 0
         deadline = t0
         while True:
             now = loop.time()
@@ -228,7 +229,9 @@ class Worker:
                 self.tick_late_max_ms = late * 1000
             while deadline <= now:
                 self._tick(deadline, now - deadline > PERIOD_S)
-                deadline += PERIOD_S
+                tick += 1
+                # From the tick count, not by adding 0.02 up: no drift.
+                deadline = t0 + tick * PERIOD_S
 
     def _tick(self, deadline: float, late: bool) -> None:
         size = self.frame_size
@@ -238,7 +241,9 @@ class Worker:
         pack = RTP_HEADER.pack
         ended = []
         for call in self.active:
-            if deadline >= call.end_at:
+            # A call plays the ticks in [start_at, end_at); the 1 µs keeps
+            # float rounding from granting a 20 ms frame past the end.
+            if deadline >= call.end_at - 1e-6:
                 ended.append(call)
                 continue
             if not call.playing:
