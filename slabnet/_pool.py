@@ -42,10 +42,17 @@ _ALIGN: Final = 8
 class BufferPool:
     """Carves small buffers out of shared ``pool_size`` pools."""
 
-    __slots__ = ("_pool_size", "_pool", "_offset", "pools_allocated", "pools_reused")
+    __slots__ = (
+        "_pool_size", "_pool", "_offset", "small_limit", "pools_allocated", "pools_reused"
+    )
+
+    #: Allocations strictly below this many bytes come from the pool
+    #: (``pool_size >> 1``, as Node's ``size < (Buffer.poolSize >>> 1)``).
+    small_limit: int
 
     def __init__(self, pool_size: int = DEFAULT_POOL_SIZE) -> None:
         self._pool_size = 0
+        self.small_limit = 0
         self._pool: _Slab | None = None
         self._offset = 0
         self.pools_allocated = 0
@@ -64,13 +71,9 @@ class BufferPool:
         if value != self._pool_size:
             # Like assigning Buffer.poolSize: takes effect with the next pool.
             self._pool_size = value
+            self.small_limit = value >> 1
             self._pool = None
             self._offset = 0
-
-    @property
-    def small_limit(self) -> int:
-        """Allocations strictly below this many bytes come from the pool."""
-        return self._pool_size >> 1
 
     def is_small(self, nbytes: int) -> bool:
         return nbytes < self._pool_size >> 1
@@ -83,7 +86,7 @@ class BufferPool:
         """
         if nbytes < 0:
             raise ValueError(f"cannot allocate {nbytes} bytes")
-        if nbytes >= self._pool_size >> 1:
+        if nbytes >= self.small_limit:
             return memoryview(bytearray(nbytes))
         off = self._offset
         if self._pool is None or off + nbytes > self._pool_size:

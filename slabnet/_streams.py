@@ -611,11 +611,14 @@ class StreamWriter:
         return self._transport.get_extra_info(name, default)
 
     async def drain(self) -> None:
-        if self._reader is not None:
-            exc = self._reader.exception()
-            if exc is not None:
-                raise exc
-        if self._transport.is_closing():
+        reader = self._reader
+        if reader is not None and reader._exception is not None:
+            raise reader._exception
+        protocol = self._protocol
+        closing = self._transport._closing
+        if not (protocol._paused or protocol._connection_lost or closing):
+            return  # the common case: nothing to wait for
+        if closing:
             # Let connection_lost run first, as asyncio does.
             await asyncio.sleep(0)
         await self._protocol._drain_helper()

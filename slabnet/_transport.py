@@ -167,6 +167,7 @@ class SlabTransport(asyncio.Transport):
         self._raw = raw
         self._loop = proto._loop
         self._state = _State.HANDSHAKING if proto._tls is not None else _State.OPEN
+        self._closing = False  # derived from _state by _set_state: a hot check
         self._pool = proto._pool
         self._out = OutQueue()
         # Our own duplicate of the descriptor, for send and for waiting.
@@ -195,9 +196,10 @@ class SlabTransport(asyncio.Transport):
         if new not in _TRANSITIONS[self._state]:
             raise RuntimeError(f"slabnet transport: {self._state.value} -> {new.value}")
         self._state = new
+        self._closing = new is _State.CLOSING or new is _State.CLOSED
 
     def is_closing(self) -> bool:
-        return self._state in (_State.CLOSING, _State.CLOSED)
+        return self._closing
 
     # ------------------------------------------------ info
 
@@ -240,13 +242,15 @@ class SlabTransport(asyncio.Transport):
 
     def write(self, data: Any) -> WriteRequest | None:  # type: ignore[override]
         """Send ``data``; None if accepted at once, else a WriteRequest."""
-        view = _as_bytes_view(data)
-        n = view.nbytes
+        # The hot path: plain bytes on an open connection, few lookups.
+        view = data if type(data) is bytes else _as_bytes_view(data)
+        n = len(view)
         if not n:
             return None
-        self._check_writable()
+        if self._state is not _State.OPEN or self._eof_requested or self._sock is None:
+            self._check_writable()
         if self._proto._tls is not None:
-            return self._tls_write(view, n)
+            return self._tls_write(memoryview(view), n)
         out = self._out
         if n < self._pool.small_limit:
             # Gather: copy into the pool; one sendmsg at the end of the
@@ -268,6 +272,7 @@ class SlabTransport(asyncio.Transport):
             if out.queued > self._high:
                 self._check_pause()
             return None
+        view = memoryview(view)
         if not view.readonly:
             view = memoryview(view.tobytes())  # the caller may reuse its buffer
         if not out:
@@ -574,6 +579,7 @@ class SlabTransport(asyncio.Transport):
         self._fail_writes(err or ConnectionResetError("connection lost with data unsent"))
         self._close_sock()
         self._state = _State.CLOSED  # always allowed: the loop says so
+        self._closing = True
         return err
 
     def __repr__(self) -> str:
