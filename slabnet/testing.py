@@ -8,6 +8,8 @@ marked ``@pytest.mark.asyncio`` (or every async test in auto mode) then runs
 once per loop, with ids ``[asyncio]`` and ``[uvloop]``. Without the option
 the plugin leaves loop creation to pytest-asyncio's default. A test can
 narrow the list with ``@pytest.mark.asyncio(loop_factories=["uvloop"])``.
+With pytest-asyncio 1.0 to 1.4, which lack the loop-factory hook, the plugin
+parametrizes their ``event_loop_policy`` fixture instead (same ids).
 
 Fixtures
 --------
@@ -65,8 +67,45 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(
             f"slabnet_loops: unknown loop(s) {unknown}; available: {sorted(available)}"
         )
-    if names:
-        config.pluginmanager.register(_LoopFactories({n: available[n] for n in names}))
+    if not names:
+        return
+    chosen = {n: available[n] for n in names}
+    if _has_loop_factories_hook():
+        config.pluginmanager.register(_LoopFactories(chosen), "slabnet-loops")
+    else:
+        # pytest-asyncio 1.0 to 1.4: parametrize its event_loop_policy fixture.
+        config.pluginmanager.register(_loop_policies(chosen), "slabnet-loops")
+
+
+def _has_loop_factories_hook() -> bool:
+    try:
+        from pytest_asyncio.plugin import PytestAsyncioSpecs
+    except ImportError:
+        return False
+    return hasattr(PytestAsyncioSpecs, "pytest_asyncio_loop_factories")
+
+
+class _FactoryPolicy(asyncio.DefaultEventLoopPolicy):
+    def __init__(self, factory: LoopFactory) -> None:
+        super().__init__()
+        self._factory = factory
+
+    def new_event_loop(self) -> asyncio.AbstractEventLoop:
+        return self._factory()
+
+
+def _loop_policies(factories: dict[str, LoopFactory]) -> object:
+    """The same choice for pytest-asyncio < 1.5, through event_loop_policy."""
+    names = list(factories)
+
+    class LoopPolicies:
+        @pytest.fixture(scope="session", params=names, ids=names)
+        def event_loop_policy(
+            self, request: pytest.FixtureRequest
+        ) -> asyncio.AbstractEventLoopPolicy:
+            return _FactoryPolicy(factories[request.param])
+
+    return LoopPolicies()
 
 
 class _LoopFactories:
