@@ -111,6 +111,7 @@ class _Counters:
         "own_buffer_bytes",
         "slabs_allocated",
         "slabs_recycled",
+        "lent",
     )
 
     def __init__(self) -> None:
@@ -122,6 +123,7 @@ class _Counters:
         self.own_buffer_bytes = 0
         self.slabs_allocated = 0
         self.slabs_recycled = 0
+        self.lent = 0
 
 
 _counters = _Counters()
@@ -160,6 +162,8 @@ class MemoryStats:
     own_buffer_bytes: int
     slabs_allocated: int
     slabs_recycled: int
+    #: reads lent to a copying consumer (TLS ciphertext) without a chunk
+    lent_reads: int
 
 
 def memory_stats() -> MemoryStats:
@@ -194,6 +198,7 @@ def memory_stats() -> MemoryStats:
         own_buffer_bytes=c.own_buffer_bytes,
         slabs_allocated=c.slabs_allocated,
         slabs_recycled=c.slabs_recycled,
+        lent_reads=c.lent,
     )
 
 
@@ -271,6 +276,29 @@ class ReadSlab:
         slab.chunks.append((weakref.ref(chunk), nbytes))
         self._offset = off + nbytes
         return chunk
+
+    def consume(self, nbytes: int) -> memoryview:
+        """Lend the first ``nbytes`` of the reservation to a caller that
+        copies them before returning (the TLS engine's incoming BIO).
+
+        Nothing is allocated, copied or advanced: the next ``reserve`` reuses
+        the region, so the view must be dropped before then. This is how
+        ciphertext passes through the slab without ever pinning it.
+        """
+        reserved = self._reserved
+        if not 0 < nbytes <= reserved:
+            if not reserved:
+                raise RuntimeError("consume() without a pending reserve()")
+            raise ValueError(f"consumed {nbytes} bytes of a {reserved}-byte reservation")
+        self._reserved = 0
+        _counters.reads += 1
+        _counters.lent += 1
+        own = self._own
+        if own is not None:
+            self._own = None
+            return memoryview(own)[:nbytes]
+        off = self._offset
+        return memoryview(self._slabs[self._cur])[off : off + nbytes]
 
     def _next_slab(self) -> None:
         slabs = self._slabs

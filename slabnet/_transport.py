@@ -693,12 +693,13 @@ class SlabProtocol(asyncio.BufferedProtocol):
         return self._slab.reserve(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        chunk = self._slab.commit(nbytes)
-        if self._tls is None:
-            self._deliver(chunk)
+        tls = self._tls
+        if tls is None:
+            self._deliver(self._slab.commit(nbytes))
             return
-        self._tls.receive_data(chunk)
-        del chunk  # ciphertext never pins the slab
+        # The engine copies ciphertext into its BIO at once: lend it the
+        # slab region, no chunk, no copy-out; the slab is never pinned.
+        tls.receive_data(self._slab.consume(nbytes))
         if self._transport is not None and self._transport._state is _State.HANDSHAKING:
             self._tls_handshake()
         else:

@@ -212,3 +212,26 @@ def test_pool_never_reuses_a_pool_with_a_live_region() -> None:
         r[:] = b"o" * 500
         del r
     assert bytes(kept) == b"K" * 500
+
+
+def test_consume_lends_the_region_without_advancing_or_copying() -> None:
+    slab = ReadSlab()
+    before = slabnet.memory_stats()
+    buf = slab.reserve(-1)
+    fill(buf, b"c" * 5000)
+    del buf
+    lent = slab.consume(5000)
+    assert bytes(lent) == b"c" * 5000
+    copied = bytes(lent)  # what the TLS engine does with it
+    del lent
+    # Not advanced: the next read lands on the same bytes.
+    buf = slab.reserve(-1)
+    fill(buf, b"d" * 10)
+    chunk = slab.commit(65536 * 3 // 4)
+    assert bytes(chunk[:10]) == b"d" * 10
+    assert copied == b"c" * 5000
+    after = slabnet.memory_stats()
+    assert after.lent_reads == before.lent_reads + 1
+    assert after.copies == before.copies  # consume never copies
+    with pytest.raises(RuntimeError, match="consume"):
+        slab.consume(1)
