@@ -301,9 +301,15 @@ class StreamReader:
         if n == 0:
             return b""
         if n < 0:
-            parts = []
+            parts: list[memoryview] = []
             while True:
-                chunk = await self.read_chunk()
+                try:
+                    chunk = await self.read_chunk()
+                except BaseException:
+                    if parts and self._exception is not None:
+                        # The data first; the stored error on the next call.
+                        break
+                    raise
                 if not chunk:
                     break
                 parts.append(chunk)
@@ -324,14 +330,12 @@ class StreamReader:
         if n == 0:
             return b""
         while self._size < n:
-            if self._eof or (self._exception is not None):
-                if self._exception is not None and not self._eof:
-                    if not self._size:
-                        raise self._exception
-                incomplete = self._take(self._size) if self._size else b""
-                if self._exception is not None and not incomplete:
-                    raise self._exception
-                raise asyncio.IncompleteReadError(incomplete, n)
+            if self._exception is not None and not self._size:
+                raise self._exception
+            if self._eof or self._exception is not None:
+                # What arrived before EOF or the error comes out as partial.
+                partial = self._take(self._size) if self._size else b""
+                raise asyncio.IncompleteReadError(partial, n)
             await self._wait_for_data("readexactly")
         data = self._take(n)
         self._maybe_resume()

@@ -13,6 +13,7 @@ import os
 import resource
 import socket
 import ssl
+import time
 import struct
 from collections.abc import AsyncIterator
 from typing import Any
@@ -624,3 +625,32 @@ async def test_many_failed_connections_leak_nothing(listener: socket.socket, tls
     assert await fds_settle(baseline) <= baseline
     usage = resource.getrusage(resource.RUSAGE_SELF)
     assert usage.ru_maxrss > 0
+
+
+@pytest.mark.asyncio
+async def test_read_all_returns_the_data_before_a_reset_then_raises() -> None:
+    """read(-1) hands over what arrived, then raises the stored error."""
+    loop = asyncio.get_running_loop()
+    sent: asyncio.Future[None] = loop.create_future()
+
+    def serve(sock: socket.socket) -> None:
+        conn, _ = sock.accept()
+        conn.sendall(b"before-the-reset")
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+        loop.call_soon_threadsafe(sent.set_result, None)
+        time.sleep(0.05)  # the data is in the client's socket buffer now
+        conn.close()  # SO_LINGER 0: a reset
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    reader, writer = await slabnet.open_connection(*listener.getsockname())
+    thread_done = loop.run_in_executor(None, serve, listener)
+    await sent
+    await thread_done
+    listener.close()
+    got = await asyncio.wait_for(reader.read(), 10)
+    assert got == b"before-the-reset"
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(reader.read(), 10)
+    writer.close()
