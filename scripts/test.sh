@@ -14,12 +14,14 @@ echo "== pytest (Python $(.venv/bin/python -c 'import sys; print(sys.version.spl
 other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py)
 [ -f tests/test_soak.py ] && other_tests+=(tests/test_soak.py)
 for minor in 3.12 3.13; do
-    py=$(command -v "python$minor" || true)
-    if [ -z "$py" ] && command -v pyenv >/dev/null; then
+    py=""
+    if command -v pyenv >/dev/null; then
         version=$(pyenv versions --bare 2>/dev/null | grep -E "^${minor//./\\.}\.[0-9]+$" | tail -n 1 || true)
         [ -n "$version" ] && py="$(pyenv root)/versions/$version/bin/python$minor"
     fi
-    if [ -z "$py" ] || [ ! -x "$py" ]; then
+    [ -n "$py" ] || py=$(command -v "python$minor" || true)
+    # A pyenv shim answers to the name without being runnable: try it.
+    if [ -z "$py" ] || ! "$py" -c "import sys" >/dev/null 2>&1; then
         echo "== Python $minor: not installed here, skipped"
         continue
     fi

@@ -17,6 +17,9 @@ import socket
 import ssl
 import struct
 import termios
+from typing import Any
+
+import pytest
 
 
 def open_fds() -> int:
@@ -156,3 +159,27 @@ def records(wire: bytes) -> list[tuple[int, int, int]]:
         out.append((ctype, off, 5 + length))
         off += 5 + length
     return out
+
+
+# Certificates and contexts shared by the TLS test files.
+
+
+@pytest.fixture(scope="session")
+def server_cert(tls_ca: Any) -> Any:
+    return tls_ca.issue_cert("localhost", "127.0.0.1")
+
+
+def server_ctx(cert: Any, version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    cert.configure_cert(ctx)
+    if version is not None:
+        ctx.minimum_version = ctx.maximum_version = version
+    return ctx
+
+
+def client_ctx(ca: Any, version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
+    ca.configure_trust(ctx)
+    if version is not None:
+        ctx.minimum_version = ctx.maximum_version = version
+    return ctx

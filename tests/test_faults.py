@@ -23,7 +23,16 @@ import pytest_asyncio
 import trustme
 
 import slabnet
-from conftest import RawTLS, fds_settle, hard_close, open_fds, records, wait_acked
+from conftest import (
+    RawTLS,
+    client_ctx,
+    fds_settle,
+    hard_close,
+    open_fds,
+    records,
+    server_ctx,
+    wait_acked,
+)
 
 TLS12 = ssl.TLSVersion.TLSv1_2
 TLS13 = ssl.TLSVersion.TLSv1_3
@@ -31,27 +40,6 @@ VERSIONS = pytest.mark.parametrize("version", [TLS12, TLS13], ids=["tls12", "tls
 LIMIT = 2**16  # StreamReader's default limit; it pauses above twice this
 READ_SIZE = 2**16  # the largest single read (the slab size)
 WAKE = 3.0  # seconds any waiter may take to wake after a fault
-
-
-@pytest.fixture(scope="session")
-def server_cert(tls_ca: Any) -> Any:
-    return tls_ca.issue_cert("localhost", "127.0.0.1")
-
-
-def server_ctx(cert: Any, version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    cert.configure_cert(ctx)
-    if version is not None:
-        ctx.minimum_version = ctx.maximum_version = version
-    return ctx
-
-
-def client_ctx(ca: Any, version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    ca.configure_trust(ctx)
-    if version is not None:
-        ctx.minimum_version = ctx.maximum_version = version
-    return ctx
 
 
 @pytest_asyncio.fixture

@@ -24,7 +24,7 @@ import pytest
 import pytest_asyncio
 
 import slabnet
-from conftest import RawTLS, records
+from conftest import RawTLS, client_ctx, records, server_ctx
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 
@@ -37,27 +37,6 @@ MAX_CHUNK = 16384  # slabnet's chunk bound: one TLSPlaintext fragment
 
 
 # ---------------------------------------------------------------- helpers
-
-
-@pytest.fixture(scope="session")
-def server_cert(tls_ca: Any) -> Any:
-    return tls_ca.issue_cert("localhost", "127.0.0.1")
-
-
-def server_ctx(cert: Any, version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    cert.configure_cert(ctx)
-    if version is not None:
-        ctx.minimum_version = ctx.maximum_version = version
-    return ctx
-
-
-def client_ctx(ca: Any, version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH)
-    ca.configure_trust(ctx)
-    if version is not None:
-        ctx.minimum_version = ctx.maximum_version = version
-    return ctx
 
 
 @pytest.fixture(scope="session")
