@@ -272,9 +272,9 @@ class SlabTransport(asyncio.Transport):
             if out.queued > self._high:
                 self._check_pause()
             return None
+        # A large write is never copied on its way to the kernel; only what
+        # has to wait is, and only when the caller could change it meanwhile.
         view = memoryview(view)
-        if not view.readonly:
-            view = memoryview(view.tobytes())  # the caller may reuse its buffer
         if not out:
             # Nothing before it: try the kernel directly (seed 002).
             sock = self._sock
@@ -289,12 +289,15 @@ class SlabTransport(asyncio.Transport):
             out.passed(sent)
             if sent == n:
                 return None
-            out.append(view[sent:])
+            rest = view[sent:]
+            out.append(rest if rest.readonly else memoryview(rest.tobytes()))
             req = out.request(n - sent)
             self._wait_writable()
             self._check_pause()
             return req
         # Pooled small writes (or a blocked queue) are ahead of it.
+        if not view.readonly:
+            view = memoryview(view.tobytes())  # the caller may reuse its buffer
         out.append(view)
         if not self._waiting_writable:
             self._flush()  # one sendmsg for the pooled writes and this one
