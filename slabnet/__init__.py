@@ -7,6 +7,7 @@ Everything public is re-exported here; the modules behind it are private.
 
 from ._errors import (
     HandshakeTimeoutError,
+    LocalAbortError,
     ShutdownTimeoutError,
     TLSRecordError,
     TLSTruncatedError,
@@ -33,6 +34,7 @@ __all__ = [
     "BufferPool",
     "ChunkProtocol",
     "HandshakeTimeoutError",
+    "LocalAbortError",
     "MemoryStats",
     "ReadSlab",
     "ShutdownTimeoutError",

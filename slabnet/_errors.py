@@ -12,6 +12,7 @@ import ssl
 
 __all__ = [
     "HandshakeTimeoutError",
+    "LocalAbortError",
     "ShutdownTimeoutError",
     "TLSRecordError",
     "TLSTruncatedError",
@@ -42,3 +43,11 @@ class HandshakeTimeoutError(ConnectionAbortedError, TimeoutError):
 
 class ShutdownTimeoutError(TimeoutError):
     """The peer did not answer close_notify within ``ssl_shutdown_timeout``."""
+
+
+class LocalAbortError(ConnectionAbortedError):
+    """This side aborted the connection (``transport.abort()``).
+
+    Every waiter of the connection raises it: queued data was dropped, so an
+    EOF would hide the loss. ``wait_closed()`` does not.
+    """

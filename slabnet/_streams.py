@@ -36,6 +36,7 @@ import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Final, cast
 
+from ._errors import LocalAbortError
 from ._transport import ChunkProtocol, SlabProtocol, SlabTransport
 from ._write import WriteRequest
 
@@ -517,7 +518,8 @@ class _StreamProtocol(ChunkProtocol):
             else:
                 reader.set_exception(exc)
         if not self._closed.done():
-            if exc is None:
+            if exc is None or isinstance(exc, LocalAbortError):
+                # wait_closed() after our own abort() is not a failure.
                 self._closed.set_result(None)
             else:
                 self._closed.set_exception(exc)

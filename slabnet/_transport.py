@@ -47,7 +47,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from ._errors import HandshakeTimeoutError, ShutdownTimeoutError
+from ._errors import HandshakeTimeoutError, LocalAbortError, ShutdownTimeoutError
 from ._pool import BufferPool
 from ._slab import ReadSlab
 from ._write import OutQueue, WriteRequest
@@ -113,6 +113,7 @@ def get_pool(loop: asyncio.AbstractEventLoop | None = None) -> BufferPool:
 
 
 # ---------------------------------------------------------------- interface
+
 
 
 class ChunkProtocol(asyncio.BaseProtocol):
@@ -367,7 +368,7 @@ class SlabTransport(asyncio.Transport):
             return
         if self._state is _State.HANDSHAKING:
             # Nothing was exchanged with the application yet.
-            self._abort(ConnectionAbortedError("closed during the TLS handshake"))
+            self._abort(LocalAbortError("closed during the TLS handshake"))
             return
         self._set_state(_State.CLOSING)
         proto = self._proto
@@ -387,15 +388,21 @@ class SlabTransport(asyncio.Transport):
         self._maybe_close_raw()
 
     def abort(self) -> None:
-        self._abort(None)
+        """Close at once, dropping queued data.
 
-    def _abort(self, exc: BaseException | None) -> None:
+        Unlike asyncio (where the reader then sees EOF), every waiter -- a
+        pending read, ``drain()``, a ``WriteRequest`` -- raises
+        ``ConnectionAbortedError``: data was dropped, so EOF would be a lie.
+        Bytes that had already arrived are still read first.
+        """
+        self._abort(LocalAbortError("connection aborted locally (transport.abort())"))
+
+    def _abort(self, exc: BaseException) -> None:
         if self._state is _State.CLOSED:
             return
-        if exc is not None and self._error is None:
+        if self._error is None:
             self._error = exc
-        self._fail_writes(exc or ConnectionAbortedError("transport aborted"))
-        self._tls_plain_bytes = 0
+        self._fail_writes(exc)
         self._close_sock()
         if self._state is not _State.CLOSING:
             self._set_state(_State.CLOSING)
