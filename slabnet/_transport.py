@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import socket
 import ssl
 import weakref
@@ -604,8 +605,6 @@ _TLS_EXTRA: Final = frozenset(
 
 
 def _dup(raw_sock: Any) -> int:
-    import os
-
     return os.dup(raw_sock.fileno())
 
 
@@ -666,7 +665,6 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._transport: SlabTransport | None = None
         self._raw_eof = False
         self._tls_closed = False  # the peer's close_notify (or EOF) is in
-        self._app_eof = False
         self._lost = False
         self._upgrading = False
 
@@ -719,9 +717,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._raw_eof = True
         tls = self._tls
         tr = self._transport
-        assert tr is not None
+        if tr is None:
+            return None  # the connection is already gone
         if tls is None:
-            self._app_eof = True
             keep_open = self._app.eof_received()
             if not keep_open:
                 tr.close()
@@ -883,7 +881,6 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if tr._state is _State.CLOSING:
             tr._maybe_close_raw()
             return
-        self._app_eof = True
         keep_open = self._app.eof_received()
         if keep_open:
             log.debug("%r: eof_received() returned True, ignored over TLS", self._app)
@@ -898,5 +895,3 @@ class SlabProtocol(asyncio.BufferedProtocol):
             waiter.set_exception(exc)
         tr._abort(exc)
 
-
-_ = ChunkProtocol  # re-exported by the package
