@@ -359,3 +359,15 @@ async def test_loops_are_both_exercised(loop_name: str) -> None:
     loop = asyncio.get_running_loop()
     assert loop_name in ("asyncio", "uvloop")
     assert ("uvloop" in type(loop).__module__) == (loop_name == "uvloop")
+
+
+def test_public_api_covers_asyncio_streams() -> None:
+    """Migration is one import: every public name of asyncio's streams exists."""
+    for ours, theirs in (
+        (slabnet.StreamReader, asyncio.StreamReader),
+        (slabnet.StreamWriter, asyncio.StreamWriter),
+    ):
+        missing = {n for n in dir(theirs) if not n.startswith("_")} - set(dir(ours))
+        assert not missing, f"{ours.__name__} lacks {sorted(missing)}"
+    for name in ("open_connection", "start_server", "open_unix_connection", "start_unix_server"):
+        assert callable(getattr(slabnet, name))
