@@ -246,33 +246,27 @@ class ReadSlab:
 
     def commit(self, nbytes: int) -> memoryview:
         """Turn the first ``nbytes`` of the reservation into a read-only chunk."""
-        reserved = self._reserved
-        if not 0 < nbytes <= reserved:
-            if not reserved:
-                raise RuntimeError("commit() without a pending reserve()")
-            raise ValueError(f"committed {nbytes} bytes of a {reserved}-byte reservation")
-        self._reserved = 0
+        reserved = self._end_reservation(nbytes, "commit", "committed")
         own = self._own
+        self._own = None
         c = _counters
-        c.reads += 1
         if own is not None:
-            self._own = None
-            if nbytes * 4 < reserved * 3:
-                c.copies += 1
-                c.bytes_copied += nbytes
-                return memoryview(bytes(memoryview(own)[:nbytes]))
-            c.own_buffers += 1
-            c.own_buffer_bytes += reserved
-            return memoryview(own)[:nbytes].toreadonly()
-        slab = self._slabs[self._cur]
-        off = self._offset
+            region = memoryview(own)[:nbytes]
+        else:
+            slab = self._slabs[self._cur]
+            off = self._offset
+            region = memoryview(slab)[off : off + nbytes]
         if nbytes * 4 < reserved * 3:
             # Wastes more than a quarter: copy out, keep the slab position.
             c.copies += 1
             c.bytes_copied += nbytes
-            return memoryview(bytes(memoryview(slab)[off : off + nbytes]))
+            return memoryview(region.tobytes())
+        chunk = region.toreadonly()
+        if own is not None:
+            c.own_buffers += 1
+            c.own_buffer_bytes += reserved
+            return chunk
         c.zero_copy += 1
-        chunk = memoryview(slab)[off : off + nbytes].toreadonly()
         slab.chunks.append((weakref.ref(chunk), nbytes))
         self._offset = off + nbytes
         return chunk
@@ -285,13 +279,7 @@ class ReadSlab:
         the region, so the view must be dropped before then. This is how
         ciphertext passes through the slab without ever pinning it.
         """
-        reserved = self._reserved
-        if not 0 < nbytes <= reserved:
-            if not reserved:
-                raise RuntimeError("consume() without a pending reserve()")
-            raise ValueError(f"consumed {nbytes} bytes of a {reserved}-byte reservation")
-        self._reserved = 0
-        _counters.reads += 1
+        self._end_reservation(nbytes, "consume", "consumed")
         _counters.lent += 1
         own = self._own
         if own is not None:
@@ -299,6 +287,17 @@ class ReadSlab:
             return memoryview(own)[:nbytes]
         off = self._offset
         return memoryview(self._slabs[self._cur])[off : off + nbytes]
+
+    def _end_reservation(self, nbytes: int, verb: str, past: str) -> int:
+        """Check ``nbytes`` against the pending reservation and close it."""
+        reserved = self._reserved
+        if not 0 < nbytes <= reserved:
+            if not reserved:
+                raise RuntimeError(f"{verb}() without a pending reserve()")
+            raise ValueError(f"{past} {nbytes} bytes of a {reserved}-byte reservation")
+        self._reserved = 0
+        _counters.reads += 1
+        return reserved
 
     def _next_slab(self) -> None:
         slabs = self._slabs
