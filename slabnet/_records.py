@@ -115,6 +115,12 @@ _BARRIER: Final = 1 << 62
 
 _HEADER: Final = struct.Struct(">BHH")
 
+# feed() looks for runs of identical headers (see _repeats) only in pieces of
+# at least this many bytes, and only where at least this many whole headers
+# follow: below that the per-record loop is as cheap as a probe.
+_PROBE_MIN_BYTES: Final = 4096
+_PROBE_MIN_RUN: Final = 6
+
 
 class RecordScanner:
     """Follows the record headers in one direction of a TLS byte stream.
@@ -209,20 +215,39 @@ class RecordScanner:
         stop = base + n
         pos = self._next_header
         unpack_from = _HEADER.unpack_from
-        ends_append = self._ends.append
-        cum_append = self._cum.append
+        ends = self._ends
+        cum = self._cum
+        ends_append = ends.append
+        cum_append = cum.append
         total = self._total
         limit = self._max_length
         empty = self._empty
         overhead = self._overhead
+        probe = n >= _PROBE_MIN_BYTES
         # The hot loop: one unpack, two or three tests, two appends a record.
         while pos + HEADER_SIZE <= stop:
             ctype, version, length = unpack_from(data, pos - base)
             if ctype == APPLICATION_DATA and version >> 8 == 3 and length <= limit:
-                pos += HEADER_SIZE + length
+                step = HEADER_SIZE + length
+                pos += step
                 ends_append(pos)
-                total += length - overhead if length > empty else _BARRIER
+                weight = length - overhead if length > empty else _BARRIER
+                total += weight
                 cum_append(total)
+                if probe:
+                    # Bulk senders repeat one record size: take the whole
+                    # run of identical headers that follows in one go.
+                    more = (stop - pos - HEADER_SIZE) // step
+                    if more >= _PROBE_MIN_RUN:
+                        run = _repeats(data, pos - step - base, step, more)
+                        if run:
+                            ends.extend(range(pos + step, pos + run * step + 1, step))
+                            cum.extend(range(total + weight, total + run * weight + 1, weight))
+                            pos += run * step
+                            total += run * weight
+                        # A stream whose sizes vary gets no more probes from
+                        # this piece: each costs about as much as 5 records.
+                        probe = run >= _PROBE_MIN_RUN
             else:
                 self._total = total
                 self._add(ctype, version, length, pos)
@@ -372,12 +397,17 @@ class RecordScanner:
                 return self._odd.get(end, APPLICATION_DATA), length
         return None
 
-    def has_complete_record(self, consumed: int) -> bool:
-        """True if a complete record follows the first `consumed` bytes."""
+    def has_complete_record(self, consumed: int, avail: int | None = None) -> bool:
+        """True if a complete record follows the first `consumed` bytes
+        (complete within the first `avail` bytes, all that were fed if None)."""
         head = self._advance(consumed)
-        return head < len(self._ends) and self._ends[head] <= self.fed
+        if avail is None:
+            avail = self.fed
+        return head < len(self._ends) and self._ends[head] <= avail
 
-    def data_run(self, consumed: int, budget: int) -> tuple[int, int, int]:
+    def data_run(
+        self, consumed: int, budget: int, avail: int | None = None
+    ) -> tuple[int, int, int]:
         """Measure the run of records that may be read into one chunk.
 
         Starting with the next record after `consumed`, take records while
@@ -390,6 +420,9 @@ class RecordScanner:
         and how many records were taken.  `count` is 0 when the next record
         is complete but cannot start a run, and -1 when no complete record
         follows `consumed` at all (so the caller needs no second query).
+        "Complete" means within the first `avail` stream bytes (default: all
+        that were fed): the engine parses a read's headers at once but puts
+        its bytes into the BIO piece by piece.
         """
         ends = self._ends
         head = bisect_right(ends, consumed, self._head)
@@ -397,7 +430,7 @@ class RecordScanner:
             head = self._advance(consumed)
         else:
             self._head = head
-        complete = bisect_right(ends, self.fed, head)
+        complete = bisect_right(ends, self.fed if avail is None else avail, head)
         if complete == head:
             return consumed, 0, -1
         cum = self._cum
@@ -406,6 +439,20 @@ class RecordScanner:
         if stop == head:
             return consumed, 0, 0
         return ends[stop - 1], cum[stop - 1] - before, stop - head
+
+
+def _repeats(data: bytes | bytearray | memoryview, first: int, step: int, count: int) -> int:
+    """How many of the `count` headers at ``first + step``, ``first +
+    2 * step``, ... equal the one at `first` in type, major version and
+    length (each byte position is compared as one strided slice, in C)."""
+    lanes = memoryview(data)[first : first + count * step + HEADER_SIZE]
+    run = count
+    for j in (0, 1, 3, 4):  # type, major version, length (the minor may vary)
+        lane = lanes[j + step :: step].tobytes()
+        run = min(run, count - len(lane.lstrip(lanes[j : j + 1])))
+        if not run:
+            break
+    return run
 
 
 def _limit_reason(limit: int) -> str:

@@ -123,6 +123,12 @@ MAX_FRAGMENT: Final = 2**14
 
 _EMPTY: Final = memoryview(b"")
 
+#: lend_data() moves lent ciphertext into the BIO this many bytes at a time,
+#: whenever the BIO holds less than _LEND_LOW: enough for a full batch of
+#: MAX_FRAGMENT plaintext plus the overhead of its records.
+LEND_PIECE: Final = 32768
+_LEND_LOW: Final = MAX_FRAGMENT + 4096
+
 
 # ---------------------------------------------------------------------------
 # Record expansion of a cipher suite
@@ -265,6 +271,9 @@ class TLSEngine:
         "_leftover",
         "_held",
         "_blocked",
+        "_avail",
+        "_lent",
+        "_lent_pos",
         "_shutdown_after_writes",
         "read_calls",
         "chunks_returned",
@@ -316,6 +325,12 @@ class TLSEngine:
         self._leftover = False  # OpenSSL may hold decrypted bytes
         self._held: deque[memoryview] = deque()  # drained at shutdown
         self._blocked: deque[bytes] = deque()  # writes waiting for a handshake
+        # Stream offset up to which ciphertext is in the incoming BIO (the
+        # scanner may have parsed further: see lend_data), and the lent
+        # ciphertext not copied into the BIO yet.
+        self._avail = 0
+        self._lent: memoryview | None = None
+        self._lent_pos = 0
         self._shutdown_after_writes = False
         # Counters for tests and benchmarks.
         self.read_calls = 0  # SSLObject.read calls
@@ -338,7 +353,7 @@ class TLSEngine:
     @property
     def buffered_ciphertext(self) -> int:
         """Incoming ciphertext bytes that OpenSSL has not consumed yet."""
-        return self._incoming.pending
+        return self._incoming.pending + self._scanner.fed - self._avail
 
     @property
     def eof_received(self) -> bool:
@@ -365,6 +380,8 @@ class TLSEngine:
 
     def receive_data(self, data: Buffer) -> None:
         """Take ciphertext from the peer; `data` is copied before returning."""
+        if self._lent is not None:
+            self.release_lent()
         if self._read_final is not None or self._state is _CLOSED:
             return  # nothing after close_notify or an error is read
         scanner = self._scanner
@@ -377,8 +394,61 @@ class TLSEngine:
             # Keep the valid prefix: its records are delivered before the
             # error surfaces.
             self._incoming.write(memoryview(data)[: scanner.fed - before])
+            self._avail = scanner.fed
             return
         self._incoming.write(data)
+        self._avail = scanner.fed
+
+    def lend_data(self, data: memoryview) -> None:
+        """Take ciphertext like :meth:`receive_data`, but borrow `data`: it
+        goes into the incoming BIO ``LEND_PIECE`` bytes at a time, as
+        :meth:`read_chunk` needs it.  The caller must not change `data`
+        before calling :meth:`release_lent`, which copies what is left.
+
+        Why: a ``MemoryBIO`` never gives back memory it once grew to, so
+        writing a whole 128 KiB read would leave every connection that once
+        received one holding 128 KiB.  Fed by pieces it stays near
+        ``LEND_PIECE`` plus one batch.  The record headers are parsed at
+        once, in one scanner call per read.
+        """
+        if self._lent is not None:
+            self.release_lent()
+        if self._read_final is not None or self._state is _CLOSED:
+            return
+        scanner = self._scanner
+        if scanner.error is not None:
+            return
+        before = scanner.fed
+        try:
+            scanner.feed(data)
+        except TLSRecordError:
+            data = data[: scanner.fed - before]
+        self._lent = data
+        self._lent_pos = 0
+        self._top_up()
+
+    def release_lent(self) -> None:
+        """Copy the rest of the data lent by :meth:`lend_data` into the BIO."""
+        lent = self._lent
+        if lent is not None:
+            self._lent = None
+            self._incoming.write(lent[self._lent_pos :])
+            self._avail = self._scanner.fed
+
+    def _top_up(self) -> None:
+        """Move the next piece of lent data into the incoming BIO."""
+        lent = self._lent
+        assert lent is not None
+        pos = self._lent_pos
+        end = pos + LEND_PIECE
+        if end >= len(lent):
+            self._lent = None
+            self._incoming.write(lent[pos:])
+            self._avail = self._scanner.fed
+        else:
+            self._lent_pos = end
+            self._incoming.write(lent[pos:end])
+            self._avail += LEND_PIECE
 
     def receive_eof(self) -> None:
         """The peer closed its side of TCP.  Call read_chunk() next."""
@@ -401,7 +471,9 @@ class TLSEngine:
         if self._ssl_io(_Op.HANDSHAKE) is _AGAIN:
             # OpenSSL wants more; has everything that arrived been used up?
             scanner = self._scanner
-            if not scanner.has_complete_record(scanner.fed - self._incoming.pending):
+            if not scanner.has_complete_record(
+                self._avail - self._incoming.pending, self._avail
+            ):
                 if scanner.error is not None:
                     raise self._break(scanner.error)
                 if self._input_closed:
@@ -455,7 +527,9 @@ class TLSEngine:
         if self._held:
             return self._held.popleft()
         result: Any = self._ssl_io(_Op.READ)
-        while result is _AGAIN:
+        while result is _AGAIN or (result is None and self._lent is not None):
+            if result is None:
+                self._top_up()
             result = self._ssl_io(_Op.READ)
         if self._blocked:
             self._retry_blocked_writes()
@@ -649,7 +723,9 @@ class TLSEngine:
         read = self._read
         incoming = self._incoming
         scanner = self._scanner
-        fed = scanner.fed
+        if self._lent is not None and incoming.pending < _LEND_LOW:
+            self._top_up()  # keep a full batch in the BIO
+        fed = self._avail
         pending = incoming.pending
         first: bytes = b""
         buf: bytearray | None = None
@@ -660,7 +736,7 @@ class TLSEngine:
             if self._leftover:
                 count = 0
             else:
-                end, size, count = scanner.data_run(fed - pending, self._max_chunk)
+                end, size, count = scanner.data_run(fed - pending, self._max_chunk, fed)
                 if count == 1:
                     # One record: OpenSSL fills a bytes object of its size
                     # (no zeroing, no second view).
@@ -693,7 +769,7 @@ class TLSEngine:
                     self._refresh_expansion()  # a renegotiation may have ended
                 pending = incoming.pending
                 end, bound, count = scanner.data_run(
-                    fed - pending, self._max_chunk - len(first)
+                    fed - pending, self._max_chunk - len(first), fed
                 )
                 if count <= 0:
                     self.chunks_returned += 1

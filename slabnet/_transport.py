@@ -80,6 +80,7 @@ SSL_SHUTDOWN_TIMEOUT: Final = 30.0
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
 
 
+
 # ---------------------------------------------------------------- per loop
 
 
@@ -698,6 +699,8 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._tls_handshake()
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._tls is not None:
+            return self._slab.reserve_lent()
         return self._slab.reserve(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -705,13 +708,15 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if tls is None:
             self._deliver(self._slab.commit(nbytes))
             return
-        # The engine copies ciphertext into its BIO at once: lend it the
-        # slab region, no chunk, no copy-out; the slab is never pinned.
-        tls.receive_data(self._slab.consume(nbytes))
-        if self._transport is not None and self._transport._state is _State.HANDSHAKING:
+        # Ciphertext is only lent: the engine copies it into its BIO before
+        # this callback returns, so no chunk is made and no slab is pinned.
+        data = self._slab.consume(nbytes)
+        tr = self._transport
+        if tr is not None and tr._state is _State.HANDSHAKING:
+            tls.receive_data(data)
             self._tls_handshake()
         else:
-            self._tls_pump()
+            self._tls_pump(data=data)
 
     def eof_received(self) -> bool | None:
         self._raw_eof = True
@@ -842,13 +847,25 @@ class SlabProtocol(asyncio.BufferedProtocol):
                 f"TLS handshake did not complete within {self._handshake_timeout} s"
             ))
 
-    def _tls_pump(self, force: bool = False, final: bool = False) -> None:
-        """Deliver decrypted chunks until the engine needs more input."""
+    def _tls_pump(
+        self, force: bool = False, final: bool = False, data: memoryview | None = None
+    ) -> None:
+        """Deliver decrypted chunks until the engine needs more input.
+
+        ``data`` is new ciphertext, lent: the engine may keep a reference to
+        it while it decrypts and must have copied it all before we return.
+        """
         tls = self._tls
         tr = self._transport
-        if tls is None or tr is None or self._tls_closed:
+        if tls is None:
+            return
+        if tr is None or self._tls_closed:
+            if data is not None:
+                tls.receive_data(data)  # an engine that is done ignores it
             return
         deliver = self._deliver
+        if data is not None:
+            tls.lend_data(data)
         try:
             while force or not tr._reading_paused:
                 chunk = tls.read_chunk()
@@ -869,6 +886,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
                 tr._send_tls_output()
                 self._fail(exc)
             return
+        finally:
+            if data is not None:
+                tls.release_lent()
         if final:
             return
         tr._send_tls_output()

@@ -266,3 +266,79 @@ def test_property_arbitrary_bytes(parts: list[bytes], cuts: list[int]) -> None:
     assert got == expected[: len(got)]
     # Every complete record before the bad header is reported.
     assert len(got) == len(expected)
+
+
+def reference_data_run(
+    records: list[tuple[int, int]], consumed: int, fed: int, budget: int,
+    overhead: int, empty: int,
+) -> tuple[int, int, int]:
+    """data_run() spelled out record by record over a known record list."""
+    pos = 0
+    i = 0
+    while i < len(records) and pos + HEADER_SIZE + records[i][1] <= consumed:
+        pos += HEADER_SIZE + records[i][1]
+        i += 1
+    if i == len(records) or pos + HEADER_SIZE + records[i][1] > fed:
+        return consumed, 0, -1
+    end, bound, count = consumed, 0, 0
+    while i < len(records):
+        ctype, length = records[i]
+        stop = pos + HEADER_SIZE + length
+        if stop > fed or ctype != APPLICATION_DATA or length <= empty:
+            break
+        if bound + length - overhead > budget:
+            break
+        end, bound, count = stop, bound + length - overhead, count + 1
+        pos = stop
+        i += 1
+    return end, bound, count
+
+
+# Runs of identical records (what bulk senders produce), sometimes broken by
+# a different size, type or minor version: the shapes feed() probes for.
+run_st = st.tuples(
+    st.sampled_from([APPLICATION_DATA] * 4 + [HANDSHAKE, ALERT]),
+    st.sampled_from([0, 17, 18, 40, 1040, 1041, 4113]),
+    st.integers(1, 40),
+    st.sampled_from([0x0303, 0x0303, 0x0301]),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    runs=st.lists(run_st, min_size=1, max_size=6),
+    cuts=st.lists(st.integers(0, 200_000), max_size=6),
+    budget=st.sampled_from([1000, 1023, 5000, 16384]),
+)
+def test_property_repeated_headers(
+    runs: list[tuple[int, int, int, int]], cuts: list[int], budget: int
+) -> None:
+    records = [(t, n) for t, n, count, _ in runs for _ in range(count)]
+    stream = b"".join(record(t, n, v) * count for t, n, count, v in runs)
+    sc = RecordScanner()
+    sc.set_expansion(17, 17)
+    points = sorted({min(c, len(stream)) for c in cuts} | {0, len(stream)})
+    ends = []
+    pos = 0
+    for _, n in records:
+        pos += HEADER_SIZE + n
+        ends.append(pos)
+    asked = 0  # consumed never goes back
+    for a, b in zip(points, points[1:]):
+        sc.feed(stream[a:b])
+        # Ask at every record boundary already fed, as OpenSSL would consume.
+        for consumed in [0] + ends:
+            if consumed > b:
+                break
+            if consumed < asked:
+                continue
+            asked = consumed
+            assert sc.data_run(consumed, budget) == reference_data_run(
+                records, consumed, b, budget, 17, 17
+            )
+    assert sc.records_consumed == len(records)
+    assert sc.buffered_records == 0
+    fresh = RecordScanner()
+    for a, b in zip(points, points[1:]):
+        fresh.feed(stream[a:b])
+    assert walk(fresh, len(stream)) == records

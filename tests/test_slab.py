@@ -214,6 +214,35 @@ def test_pool_never_reuses_a_pool_with_a_live_region() -> None:
     assert bytes(kept) == b"K" * 500
 
 
+def test_reserve_lent_uses_one_lending_buffer_and_no_slab() -> None:
+    from slabnet._slab import LEND_SIZE
+
+    slab = ReadSlab()
+    before = slabnet.memory_stats()
+    buf = slab.reserve_lent()
+    assert len(buf) == LEND_SIZE == 2 * slab.size
+    fill(buf, b"t" * LEND_SIZE)
+    del buf
+    lent = slab.consume(LEND_SIZE)
+    assert bytes(lent[-3:]) == b"ttt"
+    del lent
+    # A lent reservation is never a chunk.
+    slab.reserve_lent()
+    with pytest.raises(RuntimeError, match="consume"):
+        slab.commit(10)
+    # Abandoned (the read failed): the next reserve() is an ordinary one.
+    buf = slab.reserve(-1)
+    fill(buf, b"p" * 65536)
+    del buf
+    chunk = slab.commit(65536)
+    assert bytes(chunk[:2]) == b"pp"
+    # The same buffer every time; no slab was made for the lent reads.
+    assert slab.reserve_lent().obj is slab.reserve_lent().obj
+    after = slabnet.memory_stats()
+    assert after.lent_reads == before.lent_reads + 1
+    assert after.slabs_allocated == before.slabs_allocated + 1  # the commit's
+
+
 def test_consume_lends_the_region_without_advancing_or_copying() -> None:
     slab = ReadSlab()
     before = slabnet.memory_stats()

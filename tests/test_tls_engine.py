@@ -25,6 +25,8 @@ from hypothesis import strategies as st
 
 from slabnet._errors import TLSRecordError, TLSTruncatedError
 from slabnet._tls import (
+    _LEND_LOW,
+    LEND_PIECE,
     MAX_FRAGMENT,
     TLSEngine,
     TLSState,
@@ -322,6 +324,64 @@ def test_coalescing_respects_max_chunk(ctxs: tuple[ssl.SSLContext, ssl.SSLContex
     assert all(len(ch) <= 3000 for ch in chunks)
     assert b"".join(chunks) == payload + payload[:20_000]
     assert len(chunks) < 50 + 20
+
+
+@pytest.mark.parametrize("record", [700, 4000, 16384])
+def test_lent_data_is_fed_in_pieces(
+    ctxs: tuple[ssl.SSLContext, ssl.SSLContext], record: int
+) -> None:
+    c, s = make_pair(ctxs)
+    payload = os.urandom(300_000)
+    for i in range(0, len(payload), record):
+        s.write(payload[i : i + record])
+    wire = bytearray(s.data_to_send())
+    largest = max(len(r) for r in split_records(bytes(wire)))
+    got = []
+    highest = 0
+    for off in range(0, len(wire), 131072):
+        lent = memoryview(wire)[off : off + 131072]
+        c.lend_data(lent)
+        assert c.buffered_ciphertext >= len(lent) - largest
+        while (chunk := c.read_chunk()) is not None:
+            check_chunk(chunk, c)
+            got.append(bytes(chunk))
+            highest = max(highest, c._incoming.pending)
+        c.release_lent()
+        lent[:] = b"\0" * len(lent)  # the lender reuses its buffer
+    assert b"".join(got) == payload
+    # The BIO never held a whole 128 KiB read, only a piece on top of what
+    # was left when it ran low; full-size batches were still made.
+    assert highest <= LEND_PIECE + _LEND_LOW + largest
+    assert sum(len(g) for g in got) / len(got) > MAX_FRAGMENT * 0.9
+
+
+def test_release_lent_copies_the_rest(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    c, s = make_pair(ctxs)
+    payload = os.urandom(100_000)
+    for i in range(0, len(payload), 1000):
+        s.write(payload[i : i + 1000])
+    wire = bytearray(s.data_to_send())
+    c.lend_data(memoryview(wire))
+    first = c.read_chunk()  # reading pauses after one chunk
+    assert first is not None
+    c.release_lent()
+    wire[:] = b"\0" * len(wire)
+    assert c.buffered_ciphertext == c._incoming.pending
+    rest = b"".join(bytes(x) for x in drain(c))
+    assert bytes(first) + rest == payload
+
+
+def test_invalid_header_in_lent_data(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
+    c, s = make_pair(ctxs)
+    for i in range(60):
+        s.write(bytes([48 + i % 10]) * 1500)
+    wire = bytearray(s.data_to_send() + b"\x17\x09\x09\x00\x10" + b"\x00" * 16)
+    c.lend_data(memoryview(wire))
+    got = b"".join(bytes(x) for x in drain_until_error(c))
+    c.release_lent()
+    assert got == b"".join(bytes([48 + i % 10]) * 1500 for i in range(60))
+    with pytest.raises(TLSRecordError, match="major byte 9"):
+        c.read_chunk()
 
 
 def test_partial_records_across_feeds(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
