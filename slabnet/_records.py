@@ -36,6 +36,18 @@ lies beyond ``consumed``; it is complete once ``end <= fed``.  Records that
 end at or before ``consumed`` are dropped, so the bookkeeping never holds
 more than the records that are sitting in the BIO.
 
+Runs of identical headers
+-------------------------
+Bulk senders repeat one record size (OpenSSL, nginx, Go and Node all fill
+records to a fixed size while data is queued), so after parsing a header
+``feed`` checks whether the headers that follow at the same stride carry the
+same type, major version and length.  It compares each of those four byte
+positions across all following headers as one strided slice, in C, and takes
+the whole run at once; a run costs a few slice operations instead of a
+Python loop turn per record (at 1 KiB records this halved the scanner's
+cost).  Pieces too small to hold a run, and pieces where a probe found none,
+use the loop.
+
 Validation
 ----------
 A header is rejected with ``TLSRecordError`` when it cannot belong to a TLS

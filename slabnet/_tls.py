@@ -43,7 +43,9 @@ Record coalescing (seed 001)
 would make every record pay for a chunk and a trip through the shell.  A
 :class:`~slabnet._records.RecordScanner` follows the record headers of the
 incoming stream, so the engine knows what sits in the BIO: how far OpenSSL has
-read is ``scanner.fed - incoming.pending``.  One ``read_chunk`` call is one
+read is the stream offset written into the BIO minus ``incoming.pending``
+(data given to ``lend_data`` is parsed at once but written piece by piece, so
+that offset can trail ``scanner.fed``).  One ``read_chunk`` call is one
 batch:
 
 * it starts with one ``SSLObject.read`` of whatever record comes next;
