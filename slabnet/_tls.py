@@ -244,7 +244,6 @@ _TRANSITIONS: Final[dict[TLSState, frozenset[TLSState]]] = {
 
 class _Op(enum.Enum):
     HANDSHAKE = "do_handshake"
-    READ = "read"
     WRITE = "write"
     SHUTDOWN = "unwrap"
 
@@ -528,11 +527,11 @@ class TLSEngine:
             return None
         if self._held:
             return self._held.popleft()
-        result: Any = self._ssl_io(_Op.READ)
+        result: Any = self._read_batch()
         while result is _AGAIN or (result is None and self._lent is not None):
             if result is None:
                 self._top_up()
-            result = self._ssl_io(_Op.READ)
+            result = self._read_batch()
         if self._blocked:
             self._retry_blocked_writes()
         if result is None:
@@ -695,65 +694,100 @@ class TLSEngine:
     # -- the SSLObject choke point ------------------------------------------
 
     def _ssl_io(self, op: _Op, data: Buffer | None = None) -> Any:
-        """The one place that drives the SSLObject.
+        """The one place that handshakes, writes and shuts down (reads go
+        through :meth:`_read_batch`).
 
-        Returns ``_AGAIN`` where OpenSSL raised ``SSLWantReadError``; for
-        READ, the chunk, None (nothing decryptable), ``_EOF`` or ``_AGAIN``.
-        Errors are recorded (state BROKEN) and raised; for READ an error that
-        follows decrypted bytes is kept for the next call instead.
+        Returns ``_AGAIN`` where OpenSSL raised ``SSLWantReadError``, else
+        None.  Errors are recorded (state BROKEN) and raised.
         """
         sslobj = self.ssl_object
-        if op is not _Op.READ:
-            try:
-                if op is _Op.WRITE:
-                    self.write_calls += 1
-                    sslobj.write(data)  # type: ignore[arg-type]
-                elif op is _Op.HANDSHAKE:
-                    sslobj.do_handshake()
-                else:
-                    sslobj.unwrap()
-            except ssl.SSLWantReadError:
-                if op is _Op.WRITE:
-                    if not self._blocked or self._blocked[0] is not data:
-                        self._blocked.append(bytes(data))  # type: ignore[arg-type]
-                return _AGAIN
-            except ssl.SSLError as exc:
-                raise self._break(exc)
-            return None
+        try:
+            if op is _Op.WRITE:
+                self.write_calls += 1
+                sslobj.write(data)  # type: ignore[arg-type]
+            elif op is _Op.HANDSHAKE:
+                sslobj.do_handshake()
+            else:
+                sslobj.unwrap()
+        except ssl.SSLWantReadError:
+            if op is _Op.WRITE:
+                if not self._blocked or self._blocked[0] is not data:
+                    self._blocked.append(bytes(data))  # type: ignore[arg-type]
+            return _AGAIN
+        except ssl.SSLError as exc:
+            raise self._break(exc)
+        return None
 
-        # READ: one batch, as described in the module docstring.
-        read = self._read
+    def _read_batch(self) -> Any:
+        """One read batch, as described in the module docstring: the one
+        place that reads from the SSLObject.
+
+        Returns the chunk, None (nothing decryptable), ``_EOF`` or
+        ``_AGAIN`` (OpenSSL consumed a record without data; try again).  An
+        error is recorded (state BROKEN) and raised; one that follows
+        decrypted bytes is kept for the next call instead.
+        """
         incoming = self._incoming
-        scanner = self._scanner
         if self._lent is not None and incoming.pending < _LEND_LOW:
             self._top_up()  # keep a full batch in the BIO
         fed = self._avail
         pending = incoming.pending
+        if not self._leftover:
+            end, size, count = self._scanner.data_run(fed - pending, self._max_chunk, fed)
+            if count == 1:
+                # The common case for large records: one record, which
+                # OpenSSL reads into a bytes object of its size (no zeroing,
+                # no second view).
+                self.read_calls += 1
+                try:
+                    first = self._read(size)
+                except ssl.SSLError as exc:
+                    return self._read_failed(exc, pending)
+                if not first:
+                    self._on_close_notify()
+                    return _EOF
+                if incoming.pending < fed - end:
+                    self._leftover = True  # see the over-read note below
+                self.chunks_returned += 1
+                return memoryview(first)
+            if count < 0 and self.ssl_object.pending() == 0:
+                # Nothing complete is buffered: skip the SSLWantReadError.
+                return None
+        elif self.ssl_object.pending() == 0:
+            self._leftover = False
+            return self._read_batch()
+        else:
+            end = size = count = 0
+        return self._read_many(fed, pending, end, size, count)
+
+    def _read_failed(self, exc: ssl.SSLError, pending: int) -> Any:
+        """What a read that raised before producing any byte returns."""
+        if isinstance(exc, ssl.SSLWantReadError):
+            self.want_read_errors += 1
+            # A record without data (a handshake message) was consumed; more
+            # may follow.  Without progress there is nothing left.
+            if self._incoming.pending < pending or self._leftover:
+                self._leftover = False
+                return _AGAIN
+            return None
+        if isinstance(exc, ssl.SSLZeroReturnError):
+            self._on_close_notify()  # close_notify after we sent ours
+            return _EOF
+        self._read_final = exc
+        raise self._break(exc)
+
+    def _read_many(self, fed: int, pending: int, end: int, size: int, count: int) -> Any:
+        """The batch when it is not one planned record: `count` records
+        planned (``end``, ``size`` from the scanner), or 0 to start with
+        whatever record comes next, or leftover plaintext."""
+        read = self._read
+        incoming = self._incoming
+        scanner = self._scanner
+        sslobj = self.ssl_object
         first: bytes = b""
         buf: bytearray | None = None
-        off = size = calls = 0
+        off = calls = 0
         try:
-            if self._leftover and sslobj.pending() == 0:
-                self._leftover = False
-            if self._leftover:
-                count = 0
-            else:
-                end, size, count = scanner.data_run(fed - pending, self._max_chunk, fed)
-                if count == 1:
-                    # One record: OpenSSL fills a bytes object of its size
-                    # (no zeroing, no second view).
-                    calls = 1
-                    first = read(size)
-                    if not first:
-                        self._on_close_notify()
-                        return _EOF
-                    if incoming.pending < fed - end:
-                        self._leftover = True  # see the over-read note below
-                    self.chunks_returned += 1
-                    return memoryview(first)
-                if count < 0 and sslobj.pending() == 0:
-                    # Nothing complete is buffered: skip the SSLWantReadError.
-                    return None
             if count <= 0:
                 # The first read takes any record type (handshake, alert, a
                 # record too short or too long to plan, leftover plaintext).
@@ -800,25 +834,18 @@ class TLSEngine:
                 # record outside the plan, which may not have fit: ask
                 # pending() before the next batch.
                 self._leftover = True
-        except ssl.SSLWantReadError:
-            self.want_read_errors += 1
-            if not off and not first:
-                # A record without data (a handshake message) was consumed;
-                # more may follow.  Without progress there is nothing left.
-                if incoming.pending < pending or self._leftover:
-                    self._leftover = False
-                    return _AGAIN
-                return None
-        except ssl.SSLZeroReturnError:
-            # close_notify after we sent ours.
-            self._on_close_notify()
-            if not off and not first:
-                return _EOF
         except ssl.SSLError as exc:
-            self._read_final = exc
-            self._break(exc)
             if not off and not first:
-                raise
+                return self._read_failed(exc, pending)
+            # Bytes came first: they are returned below, and what ended the
+            # batch is seen again (or kept, for an error) by the next call.
+            if isinstance(exc, ssl.SSLWantReadError):
+                self.want_read_errors += 1
+            elif isinstance(exc, ssl.SSLZeroReturnError):
+                self._on_close_notify()
+            else:
+                self._read_final = exc
+                self._break(exc)
         finally:
             self.read_calls += calls
         if buf is None:
