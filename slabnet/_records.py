@@ -442,14 +442,22 @@ class RecordScanner:
             head = self._advance(consumed)
         else:
             self._head = head
-        complete = bisect_right(ends, self.fed if avail is None else avail, head)
-        if complete == head:
+        if avail is None:
+            avail = self.fed
+        n = len(ends)
+        if head == n or ends[head] > avail:
             return consumed, 0, -1
         cum = self._cum
         before = cum[head - 1] if head else self._cum_base
-        stop = bisect_right(cum, before + budget, head, complete)
-        if stop == head:
+        limit = before + budget
+        if cum[head] > limit:
             return consumed, 0, 0
+        nxt = head + 1
+        if nxt == n or ends[nxt] > avail or cum[nxt] > limit:
+            # One record (large records fill a batch alone): no search.
+            return ends[head], cum[head] - before, 1
+        complete = bisect_right(ends, avail, nxt)
+        stop = bisect_right(cum, limit, nxt, complete)
         return ends[stop - 1], cum[stop - 1] - before, stop - head
 
 

@@ -427,7 +427,12 @@ class _ChunkIterator:
     async def __anext__(self) -> memoryview:
         reader = self._reader
         if reader._size:
-            chunk = reader._take_chunk()
+            # reader._take_chunk(), inlined: this runs once per chunk.
+            chunk = reader._chunks.popleft()
+            if reader._pos:
+                chunk = chunk[reader._pos :]
+                reader._pos = 0
+            reader._size -= len(chunk)
             if reader._paused:
                 reader._maybe_resume()
             return chunk

@@ -817,12 +817,13 @@ class TLSEngine:
             else:
                 buf = bytearray(size)
             view = memoryview(buf)
-            for _ in range(count):
+            # The loop variable counts the reads (one store a record).
+            for calls in range(calls + 1, calls + count + 1):  # noqa: B020
                 if off == size:
                     # An over-read (below) filled the buffer early; read(0)
                     # would return 0, which means close_notify.
+                    calls -= 1
                     break
-                calls += 1
                 n = read(size - off, view[off:])
                 if not n:
                     self._on_close_notify()

@@ -153,6 +153,9 @@ class _State(enum.Enum):
     CLOSED = "closed"  # connection_lost delivered
 
 
+# The state the per-read path checks, as a module global (one lookup).
+_HANDSHAKING: Final = _State.HANDSHAKING
+
 _TRANSITIONS: Final = {
     _State.HANDSHAKING: {_State.OPEN, _State.CLOSING, _State.CLOSED},
     _State.OPEN: {_State.HANDSHAKING, _State.CLOSING, _State.CLOSED},  # STARTTLS
@@ -712,11 +715,11 @@ class SlabProtocol(asyncio.BufferedProtocol):
         # this callback returns, so no chunk is made and no slab is pinned.
         data = self._slab.consume(nbytes)
         tr = self._transport
-        if tr is not None and tr._state is _State.HANDSHAKING:
+        if tr is not None and tr._state is _HANDSHAKING:
             tls.receive_data(data)
             self._tls_handshake()
         else:
-            self._tls_pump(data=data)
+            self._tls_pump(False, False, data)
 
     def eof_received(self) -> bool | None:
         self._raw_eof = True
