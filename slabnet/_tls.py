@@ -381,24 +381,10 @@ class TLSEngine:
 
     def receive_data(self, data: Buffer) -> None:
         """Take ciphertext from the peer; `data` is copied before returning."""
-        if self._lent is not None:
-            self.release_lent()
-        if self._read_final is not None or self._state is _CLOSED:
-            return  # nothing after close_notify or an error is read
-        scanner = self._scanner
-        if scanner.error is not None:
-            return
-        before = scanner.fed
-        try:
-            scanner.feed(data)
-        except TLSRecordError:
-            # Keep the valid prefix: its records are delivered before the
-            # error surfaces.
-            self._incoming.write(memoryview(data)[: scanner.fed - before])
-            self._avail = scanner.fed
-            return
-        self._incoming.write(data)
-        self._avail = scanner.fed
+        view = self._accept(data)
+        if view is not None:
+            self._incoming.write(view)
+            self._avail = self._scanner.fed
 
     def lend_data(self, data: memoryview) -> None:
         """Take ciphertext like :meth:`receive_data`, but borrow `data`: it
@@ -412,21 +398,32 @@ class TLSEngine:
         ``LEND_PIECE`` plus one batch.  The record headers are parsed at
         once, in one scanner call per read.
         """
+        view = self._accept(data)
+        if view is not None:
+            self._lent = view
+            self._lent_pos = 0
+            self._top_up()
+
+    def _accept(self, data: Buffer) -> memoryview | None:
+        """Parse the record headers in `data`; return what may go into the
+        BIO (None: nothing, the read side is over).  An invalid header cuts
+        `data` short: the valid prefix is delivered before the error."""
         if self._lent is not None:
-            self.release_lent()
+            self.release_lent()  # stream order
         if self._read_final is not None or self._state is _CLOSED:
-            return
+            return None  # nothing after close_notify or an error is read
         scanner = self._scanner
         if scanner.error is not None:
-            return
+            return None
         before = scanner.fed
+        view = memoryview(data)
+        if view.itemsize != 1 or view.ndim != 1:
+            view = view.cast("B")  # count and cut bytes, not items
         try:
-            scanner.feed(data)
+            scanner.feed(view)
         except TLSRecordError:
-            data = data[: scanner.fed - before]
-        self._lent = data
-        self._lent_pos = 0
-        self._top_up()
+            return view[: scanner.fed - before]
+        return view
 
     def release_lent(self) -> None:
         """Copy the rest of the data lent by :meth:`lend_data` into the BIO."""
