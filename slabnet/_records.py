@@ -22,19 +22,23 @@ Every record starts with a plaintext 5-byte header (RFC 8446 §5.1, RFC 5246
     uint16 length;                 2 bytes, then `length` bytes of fragment
 
 so the scanner only has to walk the ciphertext stream from header to header.
-It sees every byte exactly once, as the engine copies it into the BIO, and
-keeps a list of the records whose headers it has parsed, as absolute stream
-offsets (``end`` = offset one past the record's last byte).
+It sees every byte exactly once, as the engine hands it over, and keeps the
+records whose headers it has parsed as *runs*: consecutive records of one
+type and length, stored as (first header's stream offset, record size with
+header, count, type).  A bulk transfer of equal records is one run however
+many records it has, so neither parsing nor the queries below pay per record
+for bookkeeping; a record unlike the one before starts a new run.
 
 The engine tells it how far OpenSSL has read: ``consumed = fed -
 incoming_bio.pending``.  With the stdlib's ``SSLObject`` OpenSSL reads a
 record header and then exactly that record's body (read-ahead is off and
 record pipelining is not enabled), so ``consumed`` either sits on a boundary
 or inside the record whose header OpenSSL already pulled while the body was
-still missing.  Either way the "next record" is the first one whose ``end``
-lies beyond ``consumed``; it is complete once ``end <= fed``.  Records that
-end at or before ``consumed`` are dropped, so the bookkeeping never holds
-more than the records that are sitting in the BIO.
+still missing.  Either way the "next record" is the first one that ends
+beyond ``consumed`` (in its run: index ``(consumed - start) // size``); it is
+complete once it ends within the bytes in the BIO.  Runs that end at or
+before ``consumed`` are dropped, so the bookkeeping never holds more than the
+runs that are sitting in the BIO.
 
 Runs of identical headers
 -------------------------
@@ -77,7 +81,6 @@ the BIO and can still hand out every record before the bad one.
 from __future__ import annotations
 
 import struct
-from bisect import bisect_right
 from typing import Final
 
 from slabnet._errors import TLSRecordError
@@ -115,15 +118,16 @@ MAX_LENGTH_TLS12: Final = 2**14 + 2048
 #: TLSCiphertext.length limit in TLS 1.3: 2^14 + 256 (RFC 8446 §5.2).
 MAX_LENGTH_TLS13: Final = 2**14 + 256
 
-# Compact the record lists once this many consumed entries pile up in front
-# of them.  Any small number works; 64 keeps `del list[:n]` (a memmove of the
-# surviving pointers) rare and the lists short: a 64 KiB socket read of
-# 1 KiB records adds about 64 entries.
-_COMPACT_AT: Final = 64
+# Drop consumed runs from the front of the run list once this many pile up
+# (``del list[:n]``); any small number works.
+_COMPACT_AT: Final = 32
 
 # The weight of a record that must not be batched.  Any value above every
 # possible budget works; plaintext budgets are at most a chunk size.
 _BARRIER: Final = 1 << 62
+
+# Fields of a run (a small list, mutated in place while the run grows).
+_START, _SIZE, _COUNT, _TYPE = 0, 1, 2, 3
 
 _HEADER: Final = struct.Struct(">BHH")
 
@@ -137,30 +141,26 @@ _PROBE_MIN_RUN: Final = 6
 class RecordScanner:
     """Follows the record headers in one direction of a TLS byte stream.
 
-    Call order: ``feed(data)`` for every piece of ciphertext, in stream order,
-    as it is written into the incoming BIO; in between, ask
-    :meth:`next_record`, :meth:`has_complete_record` or :meth:`data_run` with
-    the number of bytes OpenSSL has consumed so far (never decreasing).
+    Call order: ``feed(data)`` for every piece of ciphertext, in stream order;
+    in between, ask :meth:`next_record`, :meth:`has_complete_record` or
+    :meth:`data_run` with the number of bytes OpenSSL has consumed so far
+    (never decreasing).
 
-    For :meth:`data_run` the scanner gives every record a weight when it
-    parses the header: its plaintext bound (``length - overhead``) if it is
-    an application_data record longer than an empty one, else a barrier
-    weight larger than any budget.  A run is then found with two binary
-    searches over running sums instead of a Python loop over records.
-    :meth:`set_expansion` supplies overhead and empty size once the cipher
-    is known; until then every record is a barrier.
+    For :meth:`data_run` a record weighs its plaintext bound (``length -
+    overhead``) if it is an application_data record longer than an empty
+    one, else a barrier weight larger than any budget.  Within a run every
+    record weighs the same, so a run is measured with arithmetic, not a loop
+    over records.  :meth:`set_expansion` supplies overhead and empty size
+    once the cipher is known; until then every record is a barrier.
     """
 
     __slots__ = (
         "fed",
-        "_ends",
-        "_cum",
-        "_odd",
+        "_runs",
         "_head",
-        "_base",
-        "_cum_base",
-        "_total",
         "_dropped",
+        "_consumed",
+        "_parsed",
         "_next_header",
         "_partial",
         "_max_length",
@@ -174,21 +174,13 @@ class RecordScanner:
     fed: int
 
     def __init__(self, max_length: int = MAX_LENGTH_TLS12) -> None:
-        # One entry per parsed header in `_ends` (stream offset just past the
-        # record) and `_cum` (running sum of weights, this record included).
-        # A record starts where the one before it ends; the first stored one
-        # starts at `_base`, and `_cum_base` is the sum in front of it.
-        # Entries before `_head` are consumed and wait for compaction.
-        self._ends: list[int] = []
-        self._cum: list[int] = []
-        # Content types other than application_data, by record end offset:
-        # they are rare, so data records pay for no third list.
-        self._odd: dict[int, int] = {}
+        # Runs of parsed records, oldest first: [start, size, count, type].
+        # Runs before `_head` are consumed and wait for compaction.
+        self._runs: list[list[int]] = []
         self._head = 0
-        self._base = 0
-        self._cum_base = 0
-        self._total = 0  # == _cum[-1], or _cum_base when empty
-        self._dropped = 0  # entries removed by compaction
+        self._dropped = 0  # records in runs removed by compaction
+        self._consumed = 0  # records consumed, as of the last query
+        self._parsed = 0  # records parsed, in runs still listed or dropped
         self.fed = 0
         self._next_header = 0  # stream offset of the next header to parse
         self._partial = b""  # the start of a header cut short by a feed (< 5)
@@ -217,7 +209,7 @@ class RecordScanner:
             # Finish a header that an earlier feed cut short.
             need = HEADER_SIZE - len(self._partial)
             if n < need:
-                self._partial += bytes(data)
+                self._partial += bytes(data[:n])
                 self.fed += n
                 return
             ctype, version, length = _HEADER.unpack(self._partial + bytes(data[:need]))
@@ -227,45 +219,47 @@ class RecordScanner:
         stop = base + n
         pos = self._next_header
         unpack_from = _HEADER.unpack_from
-        ends = self._ends
-        cum = self._cum
-        ends_append = ends.append
-        cum_append = cum.append
-        total = self._total
+        runs = self._runs
         limit = self._max_length
-        empty = self._empty
-        overhead = self._overhead
+        # The run that the next record may extend, and its record size (-1:
+        # none; only application_data runs are extended here).
+        last: list[int] = runs[-1] if runs else []
+        last_size = last[_SIZE] if last and last[_TYPE] == APPLICATION_DATA else -1
+        parsed = 0
         probe = n >= _PROBE_MIN_BYTES
-        # The hot loop: one unpack, two or three tests, two appends a record.
+        # The hot loop: one unpack, three tests and one increment a record.
         while pos + HEADER_SIZE <= stop:
             ctype, version, length = unpack_from(data, pos - base)
             if ctype == APPLICATION_DATA and version >> 8 == 3 and length <= limit:
-                step = HEADER_SIZE + length
-                pos += step
-                ends_append(pos)
-                weight = length - overhead if length > empty else _BARRIER
-                total += weight
-                cum_append(total)
+                size = HEADER_SIZE + length
+                if size == last_size:
+                    last[_COUNT] += 1
+                else:
+                    last = [pos, size, 1, APPLICATION_DATA]
+                    runs.append(last)
+                    last_size = size
+                pos += size
+                parsed += 1
                 if probe:
                     # Bulk senders repeat one record size: take the whole
                     # run of identical headers that follows in one go.
-                    more = (stop - pos - HEADER_SIZE) // step
+                    more = (stop - pos - HEADER_SIZE) // size
                     if more >= _PROBE_MIN_RUN:
-                        run = _repeats(data, pos - step - base, step, more)
-                        if run:
-                            ends.extend(range(pos + step, pos + run * step + 1, step))
-                            cum.extend(range(total + weight, total + run * weight + 1, weight))
-                            pos += run * step
-                            total += run * weight
+                        run = _repeats(data, pos - size - base, size, more)
+                        last[_COUNT] += run
+                        pos += run * size
+                        parsed += run
                         # A stream whose sizes vary gets no more probes from
                         # this piece: each costs about as much as 5 records.
                         probe = run >= _PROBE_MIN_RUN
             else:
-                self._total = total
+                self._parsed += parsed
+                parsed = 0
                 self._add(ctype, version, length, pos)
                 pos = self._next_header
-                total = self._total
-        self._total = total
+                last = runs[-1]
+                last_size = -1
+        self._parsed += parsed
         self._next_header = pos
         self.fed = stop
         if pos < stop:
@@ -288,20 +282,17 @@ class RecordScanner:
                 f" ({_limit_reason(self._max_length)})"
             )
         else:
-            end = offset + HEADER_SIZE + length
-            self._ends.append(end)
-            self._total += self._weight(ctype, length)
-            self._cum.append(self._total)
-            if ctype != APPLICATION_DATA:
-                self._odd[end] = ctype
-            self._next_header = end
+            size = HEADER_SIZE + length
+            runs = self._runs
+            last = runs[-1] if runs else None
+            if last is not None and last[_SIZE] == size and last[_TYPE] == ctype:
+                last[_COUNT] += 1
+            else:
+                runs.append([offset, size, 1, ctype])
+            self._parsed += 1
+            self._next_header = offset + size
             return
         self._fail(offset, problem)
-
-    def _weight(self, ctype: int, length: int) -> int:
-        if ctype == APPLICATION_DATA and length > self._empty:
-            return length - self._overhead
-        return _BARRIER
 
     def _fail(self, offset: int, problem: str) -> None:
         # Stop for good: the bytes from here on are not a TLS stream.
@@ -322,17 +313,22 @@ class RecordScanner:
         :meth:`feed`; the records in front of the bad one stay readable.
         """
         self._max_length = max_length
-        ends = self._ends
-        for i in range(self._head, len(ends)):
-            start = self._start_of(i)
-            length = ends[i] - start - HEADER_SIZE
+        runs = self._runs
+        for j in range(self._head, len(runs)):
+            start, size, count, ctype = runs[j]
+            length = size - HEADER_SIZE
             if length > max_length:
-                ctype = self._odd.get(ends[i], APPLICATION_DATA)
-                del ends[i:]
-                del self._cum[i:]
-                self._total = self._cum[-1] if self._cum else self._cum_base
+                # Unconsumed records of this run are bad from the first on;
+                # keep what OpenSSL has already consumed of it.
+                first = self._consumed - self._records_before(j) if j == self._head else 0
+                self._parsed -= count - first + sum(r[_COUNT] for r in runs[j + 1 :])
+                del runs[j + 1 :]
+                if first:
+                    runs[j][_COUNT] = first
+                else:
+                    del runs[j]
                 self._fail(
-                    start,
+                    start + first * size,
                     f"{_TYPE_NAMES[ctype]} record length {length} is above the"
                     f" limit of {max_length} bytes ({_limit_reason(max_length)})",
                 )
@@ -343,56 +339,56 @@ class RecordScanner:
         `overhead` is the smallest number of bytes a record adds to its
         plaintext, `empty_size` the length of the longest record that may
         carry no plaintext (see ``slabnet._tls.record_overhead`` and
-        ``empty_record_size``).  Weights of unconsumed records are redone.
+        ``empty_record_size``).  Weights are computed when asked for, so
+        records already parsed get the new ones too.
         """
-        if overhead == self._overhead and empty_size == self._empty:
-            return
         self._overhead = overhead
         self._empty = empty_size
-        ends = self._ends
-        cum = self._cum
-        head = self._head
-        total = cum[head - 1] if head else self._cum_base
-        odd = self._odd
-        for i in range(head, len(ends)):
-            length = ends[i] - self._start_of(i) - HEADER_SIZE
-            total += self._weight(odd.get(ends[i], APPLICATION_DATA), length)
-            cum[i] = total
-        self._total = total
 
     # -- queries -------------------------------------------------------------
 
     @property
     def records_consumed(self) -> int:
         """Records OpenSSL has read completely, as of the last query."""
-        return self._dropped + self._head
+        return self._consumed
 
     @property
     def buffered_records(self) -> int:
         """Parsed records not yet known to be consumed (bookkeeping size)."""
-        return len(self._ends) - self._head
+        return self._parsed - self._consumed
 
-    def _advance(self, consumed: int) -> int:
-        """Drop records that end at or before `consumed`; return the index
-        of the next record (``len(self._ends)`` if no header is parsed)."""
-        ends = self._ends
-        head = bisect_right(ends, consumed, self._head)
+    def _records_before(self, index: int) -> int:
+        """Records in the runs in front of ``self._runs[index]`` (``_dropped``
+        counts the consumed runs, listed or compacted away, before ``_head``)."""
+        return self._dropped + sum(r[_COUNT] for r in self._runs[self._head : index])
+
+    def _locate(self, consumed: int) -> tuple[list[int] | None, int]:
+        """The run holding the next record after `consumed`, and that
+        record's index in the run; drops the runs OpenSSL is done with."""
+        runs = self._runs
+        head = self._head
+        n = len(runs)
+        while head < n:
+            run = runs[head]
+            i = (consumed - run[_START]) // run[_SIZE]
+            if i < run[_COUNT]:
+                break
+            self._dropped += run[_COUNT]
+            head += 1
+        else:
+            self._consumed = self._dropped
+            if head:
+                del runs[:head]
+                self._head = 0
+            return None, 0
         if head >= _COMPACT_AT:
-            self._base = ends[head - 1]
-            self._cum_base = self._cum[head - 1]
-            del ends[:head]
-            del self._cum[:head]
-            if self._odd:
-                base = self._base
-                for end in [end for end in self._odd if end <= base]:
-                    del self._odd[end]
-            self._dropped += head
+            del runs[:head]
             head = 0
         self._head = head
-        return head
-
-    def _start_of(self, index: int) -> int:
-        return self._ends[index - 1] if index else self._base
+        if i < 0:
+            i = 0  # (not reached: consumed never goes back past a run)
+        self._consumed = self._dropped + i
+        return run, i
 
     def next_record(self, consumed: int) -> tuple[int, int] | None:
         """The next record after `consumed` bytes, if it is complete.
@@ -401,21 +397,21 @@ class RecordScanner:
         from the header, or None when the next record has not fully arrived
         (or no record is left).
         """
-        head = self._advance(consumed)
-        if head < len(self._ends):
-            end = self._ends[head]
-            if end <= self.fed:
-                length = end - self._start_of(head) - HEADER_SIZE
-                return self._odd.get(end, APPLICATION_DATA), length
-        return None
+        run, i = self._locate(consumed)
+        if run is None:
+            return None
+        size = run[_SIZE]
+        if run[_START] + (i + 1) * size > self.fed:
+            return None
+        return run[_TYPE], size - HEADER_SIZE
 
     def has_complete_record(self, consumed: int, avail: int | None = None) -> bool:
         """True if a complete record follows the first `consumed` bytes
         (complete within the first `avail` bytes, all that were fed if None)."""
-        head = self._advance(consumed)
+        run, i = self._locate(consumed)
         if avail is None:
             avail = self.fed
-        return head < len(self._ends) and self._ends[head] <= avail
+        return run is not None and run[_START] + (i + 1) * run[_SIZE] <= avail
 
     def data_run(
         self, consumed: int, budget: int, avail: int | None = None
@@ -436,29 +432,46 @@ class RecordScanner:
         that were fed): the engine parses a read's headers at once but puts
         its bytes into the BIO piece by piece.
         """
-        ends = self._ends
-        head = bisect_right(ends, consumed, self._head)
-        if head >= _COMPACT_AT:
-            head = self._advance(consumed)
-        else:
-            self._head = head
+        run, i = self._locate(consumed)
         if avail is None:
             avail = self.fed
-        n = len(ends)
-        if head == n or ends[head] > avail:
+        if run is None:
             return consumed, 0, -1
-        cum = self._cum
-        before = cum[head - 1] if head else self._cum_base
-        limit = before + budget
-        if cum[head] > limit:
+        start, size, count, ctype = run
+        start += i * size  # the next record's header
+        ready = (avail - start) // size  # complete records from there on
+        if ready <= 0:
+            return consumed, 0, -1
+        overhead = self._overhead
+        empty = self._empty
+        length = size - HEADER_SIZE
+        if ctype != APPLICATION_DATA or length <= empty:
             return consumed, 0, 0
-        nxt = head + 1
-        if nxt == n or ends[nxt] > avail or cum[nxt] > limit:
-            # One record (large records fill a batch alone): no search.
-            return ends[head], cum[head] - before, 1
-        complete = bisect_right(ends, avail, nxt)
-        stop = bisect_right(cum, limit, nxt, complete)
-        return ends[stop - 1], cum[stop - 1] - before, stop - head
+        weight = length - overhead
+        take = min(count - i, ready, budget // weight)
+        if not take:
+            return consumed, 0, 0
+        end = start + take * size
+        bound = take * weight
+        taken = take
+        if take == count - i:
+            # The whole rest of the run fits: go on into the runs after it.
+            runs = self._runs
+            for j in range(self._head + 1, len(runs)):
+                start, size, count, ctype = runs[j]
+                length = size - HEADER_SIZE
+                if ctype != APPLICATION_DATA or length <= empty:
+                    break
+                weight = length - overhead
+                take = min(count, (avail - start) // size, (budget - bound) // weight)
+                if take <= 0:
+                    break
+                end = start + take * size
+                bound += take * weight
+                taken += take
+                if take < count:
+                    break
+        return end, bound, taken
 
 
 def _repeats(data: bytes | bytearray | memoryview, first: int, step: int, count: int) -> int:

@@ -854,14 +854,15 @@ class TLSEngine:
         if off < size:
             # Padding (TLS 1.3, CBC) made the plaintext shorter than planned.
             view.release()
+            if not off:
+                return _EOF if self._read_final is _EOF else None
             try:
                 del buf[off:]
             except BufferError:  # pragma: no cover - a view is still alive
                 buf = bytearray(buf[:off])
-        if not off:
-            return _EOF if self._read_final is _EOF else None
+            view = memoryview(buf)
         self.chunks_returned += 1
-        return memoryview(buf).toreadonly()
+        return view.toreadonly()
 
     # -- extra info ----------------------------------------------------------
 

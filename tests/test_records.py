@@ -172,6 +172,23 @@ def test_set_max_length_rechecks_buffered_records() -> None:
     assert sc.next_record(len(first)) is None
 
 
+def test_set_max_length_inside_a_partly_consumed_run() -> None:
+    sc = RecordScanner()
+    big = record(APPLICATION_DATA, MAX_LENGTH_TLS13 + 10)
+    sc.feed(record(HANDSHAKE, 30) + big * 3)
+    assert sc.next_record(0) == (HANDSHAKE, 30)
+    first = HEADER_SIZE + 30
+    assert sc.next_record(first + len(big)) == (APPLICATION_DATA, MAX_LENGTH_TLS13 + 10)
+    assert sc.records_consumed == 2
+    with pytest.raises(TLSRecordError, match=f"offset {first + len(big)}:.*above the limit"):
+        sc.set_max_length(MAX_LENGTH_TLS13)
+    # What OpenSSL already read stays counted; nothing after the bad header.
+    assert sc.fed == first + len(big)
+    assert sc.records_consumed == 2
+    assert sc.buffered_records == 0
+    assert sc.next_record(first + len(big)) is None
+
+
 def test_data_run() -> None:
     sc = RecordScanner()
     stream = (
@@ -214,9 +231,27 @@ def test_bookkeeping_stays_bounded() -> None:
         while sc.next_record(consumed) is not None:
             consumed += HEADER_SIZE + sc.next_record(consumed)[1]  # type: ignore[index]
         assert sc.buffered_records <= 2
-        assert len(sc._ends) <= 70 and len(sc._cum) <= 70
-        assert len(sc._odd) <= 70
+        assert len(sc._runs) <= 40  # consumed runs are dropped
     assert sc.records_consumed == 5000 + (5000 // 7 + 1)
+
+
+def test_equal_records_are_one_run() -> None:
+    sc = RecordScanner()
+    sc.set_expansion(17, 17)
+    rec = record(APPLICATION_DATA, 1040)
+    stream = rec * 300 + record(HANDSHAKE, 40) + rec * 5
+    # Fed in pieces that cut records and headers anywhere, probed or not.
+    for a in range(0, len(stream), 3001):
+        sc.feed(stream[a : a + 3001])
+    assert [(r[1], r[2], r[3]) for r in sc._runs] == [
+        (1045, 300, APPLICATION_DATA), (45, 1, HANDSHAKE), (1045, 5, APPLICATION_DATA)
+    ]
+    assert sc.buffered_records == 306
+    # 16 records of 1023 plaintext bytes fit in 16 KiB.
+    assert sc.data_run(0, 16384) == (16 * 1045, 16 * 1023, 16)
+    assert sc.data_run(290 * 1045, 16384) == (300 * 1045, 10 * 1023, 10)
+    assert sc.data_run(300 * 1045, 16384)[2] == 0  # the handshake record
+    assert sc.records_consumed == 300
 
 
 def reference_parse(stream: bytes) -> tuple[list[tuple[int, int]], int | None]:
