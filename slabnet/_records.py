@@ -432,45 +432,60 @@ class RecordScanner:
         that were fed): the engine parses a read's headers at once but puts
         its bytes into the BIO piece by piece.
         """
-        run, i = self._locate(consumed)
+        runs = self._runs
+        if self._head < len(runs):
+            # self._locate(consumed), inlined for the usual case: the next
+            # record is in the run at the head (this runs once per batch).
+            start, size, count, ctype = runs[self._head]
+            i = (consumed - start) // size
+            if i < count:
+                self._consumed = self._dropped + i
+            else:
+                run, i = self._locate(consumed)
+                if run is None:
+                    return consumed, 0, -1
+                start, size, count, ctype = run
+        else:
+            self._locate(consumed)
+            return consumed, 0, -1
         if avail is None:
             avail = self.fed
-        if run is None:
-            return consumed, 0, -1
-        start, size, count, ctype = run
         start += i * size  # the next record's header
-        ready = (avail - start) // size  # complete records from there on
-        if ready <= 0:
+        if start + size > avail:
             return consumed, 0, -1
-        overhead = self._overhead
-        empty = self._empty
         length = size - HEADER_SIZE
-        if ctype != APPLICATION_DATA or length <= empty:
+        if ctype != APPLICATION_DATA or length <= self._empty:
             return consumed, 0, 0
-        weight = length - overhead
-        take = min(count - i, ready, budget // weight)
+        weight = length - self._overhead
+        take = budget // weight
         if not take:
             return consumed, 0, 0
-        end = start + take * size
-        bound = take * weight
-        taken = take
-        if take == count - i:
-            # The whole rest of the run fits: go on into the runs after it.
-            runs = self._runs
-            for j in range(self._head + 1, len(runs)):
-                start, size, count, ctype = runs[j]
-                length = size - HEADER_SIZE
-                if ctype != APPLICATION_DATA or length <= empty:
-                    break
-                weight = length - overhead
-                take = min(count, (avail - start) // size, (budget - bound) // weight)
-                if take <= 0:
-                    break
-                end = start + take * size
-                bound += take * weight
-                taken += take
-                if take < count:
-                    break
+        left = count - i
+        ready = (avail - start) // size  # complete records from there on
+        if take > ready:
+            take = ready
+        if take < left:
+            return start + take * size, take * weight, take
+        # The whole rest of the run fits: go on into the runs after it.
+        end = start + left * size
+        bound = left * weight
+        taken = left
+        empty = self._empty
+        overhead = self._overhead
+        for j in range(self._head + 1, len(runs)):
+            start, size, count, ctype = runs[j]
+            length = size - HEADER_SIZE
+            if ctype != APPLICATION_DATA or length <= empty:
+                break
+            weight = length - overhead
+            take = min(count, (avail - start) // size, (budget - bound) // weight)
+            if take <= 0:
+                break
+            end = start + take * size
+            bound += take * weight
+            taken += take
+            if take < count:
+                break
         return end, bound, taken
 
 

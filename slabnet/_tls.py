@@ -725,10 +725,11 @@ class TLSEngine:
         decrypted bytes is kept for the next call instead.
         """
         incoming = self._incoming
-        if self._lent is not None and incoming.pending < _LEND_LOW:
-            self._top_up()  # keep a full batch in the BIO
-        fed = self._avail
         pending = incoming.pending
+        if pending < _LEND_LOW and self._lent is not None:
+            self._top_up()  # keep a full batch in the BIO
+            pending = incoming.pending
+        fed = self._avail
         if not self._leftover:
             end, size, count = self._scanner.data_run(fed - pending, self._max_chunk, fed)
             if count == 1:
