@@ -524,11 +524,56 @@ class TLSEngine:
             return None
         if self._held:
             return self._held.popleft()
-        result: Any = self._read_batch()
-        while result is _AGAIN or (result is None and self._lent is not None):
-            if result is None:
+        # One batch, as described in the module docstring; again after a
+        # record without data (_AGAIN) or when lent input remains.  This is
+        # the one place that reads from the SSLObject (with _read_many).
+        incoming = self._incoming
+        result: Any
+        while True:
+            pending = incoming.pending
+            if pending < _LEND_LOW and self._lent is not None:
+                self._top_up()  # keep a full batch in the BIO
+                pending = incoming.pending
+            fed = self._avail
+            if self._leftover:
+                if self.ssl_object.pending() == 0:
+                    self._leftover = False
+                    continue
+                result = self._read_many(fed, pending, 0, 0, 0)
+            else:
+                end, size, count = self._scanner.data_run(fed - pending, self._max_chunk, fed)
+                if count == 1:
+                    # The common case for large records: one record, which
+                    # OpenSSL reads into a bytes object of its size (no
+                    # zeroing, no second view).
+                    self.read_calls += 1
+                    try:
+                        first = self._read(size)
+                    except ssl.SSLError as exc:
+                        result = self._read_failed(exc, pending)
+                    else:
+                        if first:
+                            if incoming.pending < fed - end:
+                                self._leftover = True  # see the over-read note
+                            self.chunks_returned += 1
+                            chunk = memoryview(first)
+                            if not self._blocked:
+                                return chunk
+                            result = chunk
+                        else:
+                            self._on_close_notify()
+                            result = _EOF
+                elif count < 0 and self.ssl_object.pending() == 0:
+                    # Nothing complete is buffered: skip the SSLWantReadError.
+                    result = None
+                else:
+                    result = self._read_many(fed, pending, end, size, count)
+            if result is _AGAIN:
+                continue
+            if result is None and self._lent is not None:
                 self._top_up()
-            result = self._read_batch()
+                continue
+            break
         if self._blocked:
             self._retry_blocked_writes()
         if result is None:
@@ -691,8 +736,8 @@ class TLSEngine:
     # -- the SSLObject choke point ------------------------------------------
 
     def _ssl_io(self, op: _Op, data: Buffer | None = None) -> Any:
-        """The one place that handshakes, writes and shuts down (reads go
-        through :meth:`_read_batch`).
+        """The one place that handshakes, writes and shuts down (reads are
+        in :meth:`read_chunk`).
 
         Returns ``_AGAIN`` where OpenSSL raised ``SSLWantReadError``, else
         None.  Errors are recorded (state BROKEN) and raised.
@@ -714,49 +759,6 @@ class TLSEngine:
         except ssl.SSLError as exc:
             raise self._break(exc)
         return None
-
-    def _read_batch(self) -> Any:
-        """One read batch, as described in the module docstring: the one
-        place that reads from the SSLObject.
-
-        Returns the chunk, None (nothing decryptable), ``_EOF`` or
-        ``_AGAIN`` (OpenSSL consumed a record without data; try again).  An
-        error is recorded (state BROKEN) and raised; one that follows
-        decrypted bytes is kept for the next call instead.
-        """
-        incoming = self._incoming
-        pending = incoming.pending
-        if pending < _LEND_LOW and self._lent is not None:
-            self._top_up()  # keep a full batch in the BIO
-            pending = incoming.pending
-        fed = self._avail
-        if not self._leftover:
-            end, size, count = self._scanner.data_run(fed - pending, self._max_chunk, fed)
-            if count == 1:
-                # The common case for large records: one record, which
-                # OpenSSL reads into a bytes object of its size (no zeroing,
-                # no second view).
-                self.read_calls += 1
-                try:
-                    first = self._read(size)
-                except ssl.SSLError as exc:
-                    return self._read_failed(exc, pending)
-                if not first:
-                    self._on_close_notify()
-                    return _EOF
-                if incoming.pending < fed - end:
-                    self._leftover = True  # see the over-read note below
-                self.chunks_returned += 1
-                return memoryview(first)
-            if count < 0 and self.ssl_object.pending() == 0:
-                # Nothing complete is buffered: skip the SSLWantReadError.
-                return None
-        elif self.ssl_object.pending() == 0:
-            self._leftover = False
-            return self._read_batch()
-        else:
-            end = size = count = 0
-        return self._read_many(fed, pending, end, size, count)
 
     def _read_failed(self, exc: ssl.SSLError, pending: int) -> Any:
         """What a read that raised before producing any byte returns."""
