@@ -265,6 +265,7 @@ class TLSEngine:
         "_ragged_eof",
         "_max_chunk",
         "_read",
+        "_pending",
         "_tls12",
         "_input_closed",
         "_read_final",
@@ -310,14 +311,18 @@ class TLSEngine:
         self._state = _HANDSHAKING
         self._ragged_eof = ragged_eof
         self._max_chunk = max_chunk
-        # The C-level read of the stdlib SSLObject skips one Python frame per
-        # record (about 0.04 s/GiB at 1 KiB records in our microbenchmark);
-        # a subclass that overrides read() keeps its override.
+        # The C-level read and pending of the stdlib SSLObject skip one
+        # Python frame per call (read: about 0.04 s/GiB at 1 KiB records in
+        # our microbenchmark); a subclass that overrides them keeps its own.
         sslobj: Any = self.ssl_object
         if type(sslobj).read is ssl.SSLObject.read and hasattr(sslobj, "_sslobj"):
             self._read = sslobj._sslobj.read
         else:
             self._read = sslobj.read
+        if type(sslobj).pending is ssl.SSLObject.pending and hasattr(sslobj, "_sslobj"):
+            self._pending = sslobj._sslobj.pending
+        else:
+            self._pending = sslobj.pending
         self._tls12 = False
         self._input_closed = False
         # _EOF or the exception that ends the read side, once reached.
@@ -536,7 +541,7 @@ class TLSEngine:
                 pending = incoming.pending
             fed = self._avail
             if self._leftover:
-                if self.ssl_object.pending() == 0:
+                if self._pending() == 0:
                     self._leftover = False
                     continue
                 result = self._read_many(fed, pending, 0, 0, 0)
@@ -563,7 +568,7 @@ class TLSEngine:
                         else:
                             self._on_close_notify()
                             result = _EOF
-                elif count < 0 and self.ssl_object.pending() == 0:
+                elif count < 0 and self._pending() == 0:
                     # Nothing complete is buffered: skip the SSLWantReadError.
                     result = None
                 else:
@@ -577,7 +582,9 @@ class TLSEngine:
         if self._blocked:
             self._retry_blocked_writes()
         if result is None:
-            return self._on_input_used_up()
+            if self._input_closed or self._scanner.error is not None:
+                return self._on_input_used_up()
+            return None
         if result is _EOF:
             return _EMPTY
         return result  # type: ignore[no-any-return]

@@ -384,6 +384,38 @@ def test_invalid_header_in_lent_data(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]
         c.read_chunk()
 
 
+class CountingSSLObject(ssl.SSLObject):
+    """An SSLObject subclass that overrides read() and pending()."""
+
+    reads = 0
+    pendings = 0
+
+    def read(self, len: int = 1024, buffer: bytearray | None = None) -> bytes:  # type: ignore[override]
+        CountingSSLObject.reads += 1
+        return super().read(len, buffer)  # type: ignore[arg-type]
+
+    def pending(self) -> int:
+        CountingSSLObject.pendings += 1
+        return super().pending()
+
+
+def test_sslobject_subclass_overrides_are_used(
+    ca: trustme.CA, server_cert: trustme.LeafCert
+) -> None:
+    # The engine reads through the C methods of the stock SSLObject only.
+    cctx, sctx = contexts(ca, server_cert, ssl.TLSVersion.TLSv1_3)
+    cctx.sslobject_class = CountingSSLObject
+    c, s = make_pair((cctx, sctx))
+    before = CountingSSLObject.reads, CountingSSLObject.pendings
+    for i in range(30):
+        s.write(bytes([65 + i % 26]) * 900)
+    c.receive_data(s.data_to_send())
+    got = b"".join(bytes(x) for x in drain(c))
+    assert got == b"".join(bytes([65 + i % 26]) * 900 for i in range(30))
+    assert CountingSSLObject.reads - before[0] == 30  # one per record
+    assert CountingSSLObject.pendings > before[1]
+
+
 def test_partial_records_across_feeds(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
     c, s = make_pair(ctxs)
     msgs = [os.urandom(1000) for _ in range(20)]
