@@ -60,8 +60,8 @@ DEFAULT_SLAB_SIZE: Final = 65536
 #: lent (TLS ciphertext, copied into the engine at once) come in reads of
 #: twice a slab.  Measured with ``python -m benchmarks --filter tls_s2c``:
 #: 128 KiB cut client CPU per GiB by about 7 % against 64 KiB at 1 and 16 KiB
-#: records (half the loop iterations); 256 KiB was slower again (the read
-#: no longer stays in the L2 cache on its way into the BIO).
+#: records (half the loop iterations); 96, 160 and 256 KiB all cost more
+#: than 128 KiB on this machine.
 LEND_SIZE: Final = 2 * DEFAULT_SLAB_SIZE
 
 #: How many recyclable slabs a ReadSlab keeps. A consumer iterating chunks
