@@ -342,6 +342,10 @@ class RecordScanner:
         ``empty_record_size``).  Weights are computed when asked for, so
         records already parsed get the new ones too.
         """
+        if not 0 <= overhead <= empty_size:
+            raise ValueError(
+                f"need 0 <= overhead <= empty_size, got {overhead} and {empty_size}"
+            )
         self._overhead = overhead
         self._empty = empty_size
 

@@ -825,7 +825,7 @@ class TLSEngine:
                 buf = bytearray(size)
             view = memoryview(buf)
             # The loop variable counts the reads (one store a record).
-            for calls in range(calls + 1, calls + count + 1):  # noqa: B020
+            for calls in range(calls + 1, calls + count + 1):
                 if off == size:
                     # An over-read (below) filled the buffer early; read(0)
                     # would return 0, which means close_notify.

@@ -235,6 +235,11 @@ def test_bookkeeping_stays_bounded() -> None:
     assert sc.records_consumed == 5000 + (5000 // 7 + 1)
 
 
+def test_set_expansion_checks_its_arguments() -> None:
+    with pytest.raises(ValueError, match="overhead <= empty_size"):
+        RecordScanner().set_expansion(24, 17)
+
+
 def test_equal_records_are_one_run() -> None:
     sc = RecordScanner()
     sc.set_expansion(17, 17)
