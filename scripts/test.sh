@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need into .venv, then runs the
 # type check, the benchmark smoke run and the test suite (both loops); then
-# the core, write-path and soak tests again on every other supported Python
+# the core, write-path, TLS engine and soak tests again on every other supported Python
 # found on the machine (3.12, 3.13; each in its own .venv-3.X).
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 echo "== mypy --strict"
@@ -11,7 +11,8 @@ echo "== benchmarks --quick (smoke: every scenario executes; no timing asserted)
 echo "== pytest (Python $(.venv/bin/python -c 'import sys; print(sys.version.split()[0])'))"
 .venv/bin/python -m pytest "$@"
 
-other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py)
+other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py
+             tests/test_records.py tests/test_tls_engine.py)
 [ -f tests/test_soak.py ] && other_tests+=(tests/test_soak.py)
 for minor in 3.12 3.13; do
     py=""
