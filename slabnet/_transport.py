@@ -80,7 +80,6 @@ SSL_SHUTDOWN_TIMEOUT: Final = 30.0
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
 
 
-
 # ---------------------------------------------------------------- per loop
 
 
@@ -719,7 +718,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
             tls.receive_data(data)
             self._tls_handshake()
         else:
-            self._tls_pump(False, False, data)
+            self._tls_pump(False, False, data)  # positional: once per read
 
     def eof_received(self) -> bool | None:
         self._raw_eof = True
