@@ -159,6 +159,40 @@ async def test_small_records_in_one_read_are_coalesced(
 
 
 @pytest.mark.asyncio
+async def test_ciphertext_never_takes_a_slab(
+    listener: socket.socket, server_cert: Any, tls_ca: Any
+) -> None:
+    # TLS reads are lent to the engine, which copies them into its BIO:
+    # no slab is made, committed or pinned for ciphertext, on either loop.
+    payload = os.urandom(4 << 20)
+
+    async def peer() -> None:
+        conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+        tls = RawTLS(conn, server_ctx(server_cert, ssl.TLSVersion.TLSv1_3), server_side=True)
+        await tls.handshake()
+        await tls.send(tls.seal(payload) + tls.close_notify())
+        conn.close()
+
+    task = asyncio.create_task(peer())
+    reader, writer = await slabnet.open_connection(
+        "127.0.0.1", port_of(listener), ssl=client_ctx(tls_ca), server_hostname="localhost"
+    )
+    before = slabnet.memory_stats()
+    chunks = await read_chunks(reader, len(payload))
+    after = slabnet.memory_stats()
+    await task
+    assert hashlib.sha256(b"".join(chunks)).digest() == hashlib.sha256(payload).digest()
+    assert after.lent_reads > before.lent_reads
+    assert after.slabs_allocated == before.slabs_allocated
+    assert after.zero_copy_reads == before.zero_copy_reads
+    assert after.copies == before.copies
+    assert after.own_buffers == before.own_buffers
+    assert all(len(c) <= MAX_CHUNK for c in chunks)
+    assert await reader.read() == b""
+    await close(writer)
+
+
+@pytest.mark.asyncio
 async def test_every_tls_chunk_owns_its_buffer(tls_echo_server: tuple[str, int], tls_client_context: ssl.SSLContext) -> None:
     host, port = tls_echo_server
     reader, writer = await slabnet.open_connection(host, port, ssl=tls_client_context, server_hostname="localhost")
