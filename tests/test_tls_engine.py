@@ -20,7 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 import trustme
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from slabnet._errors import TLSRecordError, TLSTruncatedError
@@ -671,7 +671,13 @@ def _property_ctxs(version: ssl.TLSVersion) -> tuple[ssl.SSLContext, ssl.SSLCont
     corrupt=st.one_of(st.none(), st.integers(0, 300_000)),
     close=st.booleans(),
     eof=st.booleans(),
+    lend=st.booleans(),
+    pause=st.one_of(st.none(), st.integers(0, 3)),
 )
+# Lent pieces larger than LEND_PIECE while reading is paused: the rest must
+# reach the BIO on release_lent().
+@example(ssl.TLSVersion.TLSv1_3, [20000] * 5, [], None, True, False, True, 0)
+@example(ssl.TLSVersion.TLSv1_2, [3000] * 40, [70_000], None, False, True, True, 1)
 def test_property_real_ciphertext_split_anywhere(
     version: ssl.TLSVersion,
     sizes: list[int],
@@ -679,7 +685,13 @@ def test_property_real_ciphertext_split_anywhere(
     corrupt: int | None,
     close: bool,
     eof: bool,
+    lend: bool,
+    pause: int | None,
 ) -> None:
+    # lend: pieces go in through lend_data()/release_lent(), and the lent
+    # bytes are overwritten after release, as the transport's buffer is.
+    # pause: at most that many chunks are read per piece (reading paused),
+    # the rest after the last piece.
     c, s = make_pair(_property_ctxs(version))
     sent = bytearray()
     for i, n in enumerate(sizes):
@@ -695,20 +707,42 @@ def test_property_real_ciphertext_split_anywhere(
     got = bytearray()
     error: BaseException | None = None
     ended = False
-    for a, b in zip(points, points[1:]):
-        c.receive_data(memoryview(wire)[a:b])
+    pristine = bytes(wire)
+
+    def read(limit: int | None) -> bool:
+        """Read up to `limit` chunks into `got`; True once the stream ended."""
+        nonlocal error
+        taken = 0
         try:
-            for chunk in iter(c.read_chunk, None):
+            while limit is None or taken < limit:
+                chunk = c.read_chunk()
+                if chunk is None:
+                    return False
                 if not chunk:
-                    ended = True
-                    break
+                    return True
                 check_chunk(chunk, c)
-                got += chunk
+                got.extend(chunk)
+                taken += 1
         except ssl.SSLError as exc:  # TLSRecordError, TLSTruncatedError too
             error = exc
+        return False
+
+    for a, b in zip(points, points[1:]):
+        if lend:
+            c.lend_data(memoryview(wire)[a:b])
+        else:
+            c.receive_data(memoryview(wire)[a:b])
+        try:
+            ended = read(pause)
+        finally:
+            if lend:
+                c.release_lent()
+                wire[a:b] = b"\xee" * (b - a)
+        if ended or error is not None:
             break
-        if ended:
-            break
+    if pause is not None and not ended and error is None:
+        ended = read(None)  # reading resumes
+    wire[:] = pristine
     if eof and error is None and not ended:
         c.receive_eof()
         try:
