@@ -252,6 +252,15 @@ _EOF: Final = object()  # the read side ended cleanly
 _AGAIN: Final = object()  # a read made progress but produced no data
 
 
+def _c_level(sslobj: ssl.SSLObject, name: str) -> Any:
+    """``sslobj``'s method `name`: the C one underneath a stock SSLObject
+    (one Python frame less per call), a subclass's override otherwise."""
+    inner = getattr(sslobj, "_sslobj", None)
+    if inner is not None and getattr(type(sslobj), name) is getattr(ssl.SSLObject, name):
+        return getattr(inner, name)
+    return getattr(sslobj, name)
+
+
 class TLSEngine:
     """TLS for one connection, without I/O.  See the module docstring."""
 
@@ -314,15 +323,8 @@ class TLSEngine:
         # The C-level read and pending of the stdlib SSLObject skip one
         # Python frame per call (read: about 0.04 s/GiB at 1 KiB records in
         # our microbenchmark); a subclass that overrides them keeps its own.
-        sslobj: Any = self.ssl_object
-        if type(sslobj).read is ssl.SSLObject.read and hasattr(sslobj, "_sslobj"):
-            self._read = sslobj._sslobj.read
-        else:
-            self._read = sslobj.read
-        if type(sslobj).pending is ssl.SSLObject.pending and hasattr(sslobj, "_sslobj"):
-            self._pending = sslobj._sslobj.pending
-        else:
-            self._pending = sslobj.pending
+        self._read = _c_level(self.ssl_object, "read")
+        self._pending = _c_level(self.ssl_object, "pending")
         self._tls12 = False
         self._input_closed = False
         # _EOF or the exception that ends the read side, once reached.
@@ -767,10 +769,17 @@ class TLSEngine:
             raise self._break(exc)
         return None
 
-    def _read_failed(self, exc: ssl.SSLError, pending: int) -> Any:
-        """What a read that raised before producing any byte returns."""
+    def _read_failed(self, exc: ssl.SSLError, pending: int, progress: bool = False) -> Any:
+        """Account for a read that raised; return what the batch returns
+        if it produced no byte (`progress` False), else None.
+
+        Without progress an error is raised; after progress the bytes go
+        first and the error is kept for the next call, as is close_notify.
+        """
         if isinstance(exc, ssl.SSLWantReadError):
             self.want_read_errors += 1
+            if progress:
+                return None
             # A record without data (a handshake message) was consumed; more
             # may follow.  Without progress there is nothing left.
             if self._incoming.pending < pending or self._leftover:
@@ -781,7 +790,10 @@ class TLSEngine:
             self._on_close_notify()  # close_notify after we sent ours
             return _EOF
         self._read_final = exc
-        raise self._break(exc)
+        self._break(exc)
+        if progress:
+            return None
+        raise exc
 
     def _read_many(self, fed: int, pending: int, end: int, size: int, count: int) -> Any:
         """The batch when it is not one planned record: `count` records
@@ -843,17 +855,12 @@ class TLSEngine:
                 # pending() before the next batch.
                 self._leftover = True
         except ssl.SSLError as exc:
-            if not off and not first:
-                return self._read_failed(exc, pending)
-            # Bytes came first: they are returned below, and what ended the
-            # batch is seen again (or kept, for an error) by the next call.
-            if isinstance(exc, ssl.SSLWantReadError):
-                self.want_read_errors += 1
-            elif isinstance(exc, ssl.SSLZeroReturnError):
-                self._on_close_notify()
-            else:
-                self._read_final = exc
-                self._break(exc)
+            # Bytes that came first are returned below; what ended the batch
+            # is seen again (or kept, for an error) by the next call.
+            progress = bool(off or first)
+            result = self._read_failed(exc, pending, progress)
+            if not progress:
+                return result
         finally:
             self.read_calls += calls
         if buf is None:
