@@ -649,11 +649,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
         res = _loop_resources(self._loop)
         self._slab = slab or res.slab
         self._pool = res.pool
-        self._app: Any = app
-        deliver = getattr(app, "chunk_received", None)
-        if deliver is None:
-            raise TypeError(f"{app!r} has no chunk_received(): not a ChunkProtocol")
-        self._deliver: Callable[[memoryview], None] = deliver
+        self._app: Any
+        self._deliver: Callable[[memoryview], None]
+        self._set_app(app)
         self._tls: TLSEngine | None = None
         self._ssl_args: tuple[Any, ...] | None = None
         if ssl is not None:
