@@ -17,9 +17,11 @@ import socket
 import ssl
 import struct
 import termios
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+import pytest_asyncio
 
 
 def open_fds() -> int:
@@ -162,6 +164,15 @@ def records(wire: bytes) -> list[tuple[int, int, int]]:
 
 
 # Certificates and contexts shared by the TLS test files.
+
+
+@pytest_asyncio.fixture
+async def listener() -> AsyncIterator[socket.socket]:
+    """A plain listening socket for a raw peer (tests accept on it)."""
+    sock = socket.create_server(("127.0.0.1", 0))
+    sock.setblocking(False)
+    yield sock
+    sock.close()
 
 
 @pytest.fixture(scope="session")

@@ -15,11 +15,9 @@ import socket
 import ssl
 import time
 import struct
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 import trustme
 
 import slabnet
@@ -40,14 +38,6 @@ VERSIONS = pytest.mark.parametrize("version", [TLS12, TLS13], ids=["tls12", "tls
 LIMIT = 2**16  # StreamReader's default limit; it pauses above twice this
 READ_SIZE = 2**16  # the largest single read (the slab size)
 WAKE = 3.0  # seconds any waiter may take to wake after a fault
-
-
-@pytest_asyncio.fixture
-async def listener() -> AsyncIterator[socket.socket]:
-    sock = socket.create_server(("127.0.0.1", 0))
-    sock.setblocking(False)
-    yield sock
-    sock.close()
 
 
 async def accept(listener: socket.socket) -> socket.socket:

@@ -16,12 +16,11 @@ import socket
 import ssl
 import subprocess
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 import slabnet
 from conftest import RawTLS, client_ctx, records, server_ctx
@@ -49,15 +48,6 @@ def pem_files(tmp_path_factory: pytest.TempPathFactory, tls_ca: Any, server_cert
         str(files["client"])
     )
     return {k: str(v) for k, v in files.items()}
-
-
-@pytest_asyncio.fixture
-async def listener() -> AsyncIterator[socket.socket]:
-    """A plain listening socket for a raw peer."""
-    sock = socket.create_server(("127.0.0.1", 0))
-    sock.setblocking(False)
-    yield sock
-    sock.close()
 
 
 def port_of(sock: socket.socket) -> int:
