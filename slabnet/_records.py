@@ -419,7 +419,7 @@ class RecordScanner:
 
     def data_run(
         self, consumed: int, budget: int, avail: int | None = None
-    ) -> tuple[int, int, int]:
+    ) -> tuple[int, int, int, int]:
         """Measure the run of records that may be read into one chunk.
 
         Starting with the next record after `consumed`, take records while
@@ -427,11 +427,13 @@ class RecordScanner:
         (see :meth:`set_expansion`) and its plaintext bound still fits into
         `budget` together with the ones before it.
 
-        Returns ``(end, bound, count)``: the stream offset just past the last
-        record taken (``consumed`` if none), the sum of their plaintext bounds
-        and how many records were taken.  `count` is 0 when the next record
-        is complete but cannot start a run, and -1 when no complete record
-        follows `consumed` at all (so the caller needs no second query).
+        Returns ``(end, bound, count, weight)``: the stream offset just past
+        the last record taken (``consumed`` if none), the sum of their
+        plaintext bounds, how many records were taken, and the one plaintext
+        bound they all share (0 if they differ).  `count` is 0 when the next
+        record is complete but cannot start a run, and -1 when no complete
+        record follows `consumed` at all (so the caller needs no second
+        query).
         "Complete" means within the first `avail` stream bytes (default: all
         that were fed): the engine parses a read's headers at once but puts
         its bytes into the BIO piece by piece.
@@ -447,33 +449,34 @@ class RecordScanner:
             else:
                 run, i = self._locate(consumed)
                 if run is None:
-                    return consumed, 0, -1
+                    return consumed, 0, -1, 0
                 start, size, count, ctype = run
         else:
             self._locate(consumed)
-            return consumed, 0, -1
+            return consumed, 0, -1, 0
         if avail is None:
             avail = self.fed
         start += i * size  # the next record's header
         if start + size > avail:
-            return consumed, 0, -1
+            return consumed, 0, -1, 0
         length = size - HEADER_SIZE
         if ctype != APPLICATION_DATA or length <= self._empty:
-            return consumed, 0, 0
+            return consumed, 0, 0, 0
         weight = length - self._overhead
         take = budget // weight
         if not take:
-            return consumed, 0, 0
+            return consumed, 0, 0, 0
         left = count - i
         ready = (avail - start) // size  # complete records from there on
         if take > ready:
             take = ready
         if take < left:
-            return start + take * size, take * weight, take
+            return start + take * size, take * weight, take, weight
         # The whole rest of the run fits: go on into the runs after it.
         end = start + left * size
         bound = left * weight
         taken = left
+        shared = weight
         empty = self._empty
         overhead = self._overhead
         for j in range(self._head + 1, len(runs)):
@@ -485,12 +488,14 @@ class RecordScanner:
             take = min(count, (avail - start) // size, (budget - bound) // weight)
             if take <= 0:
                 break
+            if weight != shared:
+                shared = 0
             end = start + take * size
             bound += take * weight
             taken += take
             if take < count:
                 break
-        return end, bound, taken
+        return end, bound, taken, shared
 
 
 def _repeats(data: bytes | bytearray | memoryview, first: int, step: int, count: int) -> int:

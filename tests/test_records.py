@@ -198,23 +198,26 @@ def test_data_run() -> None:
         + record(APPLICATION_DATA, 1040)
         + record(HANDSHAKE, 100)
         + record(APPLICATION_DATA, 1040)
+        + record(APPLICATION_DATA, 500)
     )
     sc.feed(stream)
     # Before set_expansion nothing is batchable.
     assert sc.data_run(0, 16384)[2] == 0
     sc.set_expansion(17, 17)
     rec = HEADER_SIZE + 1040
-    assert sc.data_run(0, 16384) == (2 * rec, 2 * (1040 - 17), 2)
+    assert sc.data_run(0, 16384) == (2 * rec, 2 * (1040 - 17), 2, 1040 - 17)
     # The budget limits the run.
-    assert sc.data_run(0, 1040 - 17) == (rec, 1040 - 17, 1)
+    assert sc.data_run(0, 1040 - 17) == (rec, 1040 - 17, 1, 1040 - 17)
     assert sc.data_run(0, 1000)[2] == 0
     # The short record stops it; past it, the handshake record does.
     after_short = 2 * rec + HEADER_SIZE + 17
-    assert sc.data_run(after_short, 16384) == (after_short + rec, 1023, 1)
+    assert sc.data_run(after_short, 16384) == (after_short + rec, 1023, 1, 1023)
     hs_start = after_short + rec
     assert sc.data_run(hs_start, 16384)[2] == 0
     last = hs_start + HEADER_SIZE + 100
-    assert sc.data_run(last, 16384) == (last + rec, 1023, 1)
+    # Records of different sizes share no plaintext bound (weight 0).
+    assert sc.data_run(last, 16384) == (len(stream), 1023 + 483, 2, 0)
+    assert sc.data_run(last, 1500) == (last + rec, 1023, 1, 1023)
     # Nothing complete left.
     assert sc.data_run(len(stream), 16384)[2] == -1
     sc.feed(record(APPLICATION_DATA, 1040)[:100])
@@ -253,8 +256,8 @@ def test_equal_records_are_one_run() -> None:
     ]
     assert sc.buffered_records == 306
     # 16 records of 1023 plaintext bytes fit in 16 KiB.
-    assert sc.data_run(0, 16384) == (16 * 1045, 16 * 1023, 16)
-    assert sc.data_run(290 * 1045, 16384) == (300 * 1045, 10 * 1023, 10)
+    assert sc.data_run(0, 16384) == (16 * 1045, 16 * 1023, 16, 1023)
+    assert sc.data_run(290 * 1045, 16384) == (300 * 1045, 10 * 1023, 10, 1023)
     assert sc.data_run(300 * 1045, 16384)[2] == 0  # the handshake record
     assert sc.records_consumed == 300
 
@@ -311,7 +314,7 @@ def test_property_arbitrary_bytes(parts: list[bytes], cuts: list[int]) -> None:
 def reference_data_run(
     records: list[tuple[int, int]], consumed: int, fed: int, budget: int,
     overhead: int, empty: int,
-) -> tuple[int, int, int]:
+) -> tuple[int, int, int, int]:
     """data_run() spelled out record by record over a known record list."""
     pos = 0
     i = 0
@@ -319,8 +322,9 @@ def reference_data_run(
         pos += HEADER_SIZE + records[i][1]
         i += 1
     if i == len(records) or pos + HEADER_SIZE + records[i][1] > fed:
-        return consumed, 0, -1
+        return consumed, 0, -1, 0
     end, bound, count = consumed, 0, 0
+    weights = set()
     while i < len(records):
         ctype, length = records[i]
         stop = pos + HEADER_SIZE + length
@@ -329,9 +333,10 @@ def reference_data_run(
         if bound + length - overhead > budget:
             break
         end, bound, count = stop, bound + length - overhead, count + 1
+        weights.add(length - overhead)
         pos = stop
         i += 1
-    return end, bound, count
+    return end, bound, count, weights.pop() if len(weights) == 1 else 0
 
 
 # Runs of identical records (what bulk senders produce), sometimes broken by

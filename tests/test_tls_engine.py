@@ -512,6 +512,36 @@ def test_close_notify_after_data(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) ->
     assert s.state is TLSState.CLOSED
 
 
+def test_close_notify_inside_a_run_of_equal_records(
+    ca: trustme.CA, server_cert: trustme.LeafCert
+) -> None:
+    # TLS 1.3 encrypts alerts as application_data: a close_notify record is
+    # exactly as long as a record of 2 data bytes, so the scanner plans it
+    # into the same run of equal records.
+    c, s = make_pair(contexts(ca, server_cert, ssl.TLSVersion.TLSv1_3))
+    for i in range(5):
+        s.write(bytes([65 + i]) * 2)
+    s.start_shutdown()
+    records = split_records(s.data_to_send())
+    assert len({len(r) for r in records}) == 1 and len(records) == 6
+    c.receive_data(b"".join(records))
+    chunk = c.read_chunk()
+    assert chunk is not None and bytes(chunk) == b"AABBCCDDEE"
+    assert c.eof_received
+    assert c.read_chunk() == b""
+    # A run that starts with close_notify gives EOF and nothing after it,
+    # not even an equal record that follows (here: a copy, never decrypted).
+    c2, s2 = make_pair(contexts(ca, server_cert, ssl.TLSVersion.TLSv1_3))
+    s2.start_shutdown()
+    close_notify = s2.data_to_send()
+    assert len(close_notify) == len(records[0])
+    c2.receive_data(close_notify * 2)
+    calls = c2.read_calls
+    assert c2.read_chunk() == b""
+    assert c2.read_calls == calls + 1
+    assert c2.read_chunk() == b""
+
+
 def test_shutdown_keeps_unread_input(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
     # SSL_shutdown discards application data it reads; the engine must not
     # let it see data the application has not read yet.
