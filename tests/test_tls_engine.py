@@ -542,6 +542,43 @@ def test_close_notify_inside_a_run_of_equal_records(
     assert c2.read_chunk() == b""
 
 
+@pytest.mark.parametrize("batch", [3, 100])
+def test_session_tickets_inside_a_run_of_equal_records(
+    ca: trustme.CA, server_cert: trustme.LeafCert, batch: int
+) -> None:
+    # TLS 1.3 session tickets travel as application_data records.  Data
+    # records of the tickets' length make one run with them, so a planned
+    # batch starts with records that carry no data and SSL_read reads on
+    # past the plan (an over-read): nothing may be lost, stuck or exceed
+    # max_chunk.
+    cctx, sctx = contexts(ca, server_cert, ssl.TLSVersion.TLSv1_3)
+    c = TLSEngine(cctx, server_hostname=HOST)
+    s = TLSEngine(sctx, server_side=True)
+    tickets = b""
+    for _ in range(10):
+        done = c.do_handshake()
+        s.receive_data(c.data_to_send())
+        s.do_handshake()
+        if done:
+            tickets += s.data_to_send()
+            break
+        c.receive_data(s.data_to_send())
+    lengths = {len(r) for r in split_records(tickets)}
+    assert len(split_records(tickets)) >= 1 and len(lengths) == 1
+    cipher = c.ssl_object.cipher()
+    assert cipher is not None
+    n = lengths.pop() - 5 - record_overhead("TLSv1.3", cipher[0])
+    sent = b"".join(bytes([65 + i % 26]) * n for i in range(40))
+    for i in range(40):
+        s.write(sent[i * n : (i + 1) * n])
+    c._max_chunk = batch * n
+    c.receive_data(tickets + s.data_to_send())
+    chunks = drain(c)
+    assert b"".join(bytes(x) for x in chunks) == sent
+    assert all(len(x) <= batch * n for x in chunks)
+    assert c.buffered_ciphertext == 0 and c.ssl_object.pending() == 0
+
+
 def test_shutdown_keeps_unread_input(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
     # SSL_shutdown discards application data it reads; the engine must not
     # let it see data the application has not read yet.
