@@ -15,7 +15,7 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-from .core import Files, Scenario, config_label, format_value, parse_value
+from .core import HEAP_STATES, Files, Scenario, config_label, format_value, parse_value
 from .driver import ROOT, Driver
 from .report import Progress, markdown, update_readme, write_csv, write_plots
 from .results import ConfigResults, label_configs
@@ -45,6 +45,12 @@ def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="smoke test: every scenario with tiny sizes, 1 run each")
     p.add_argument("--out", default=None, help="directory for CSV, Markdown and PNG files "
                    "(default benchmarks/results, with --quick benchmarks/results/quick)")
+    p.add_argument("--heap", choices=HEAP_STATES, default="settled",
+                   help="glibc malloc state of every worker: 'settled' (default) frees one 1 MiB "
+                        "block first, which raises glibc's mmap threshold as in a process that has "
+                        "run a while; 'pinned' fixes the threshold at its initial 128 KiB, as in a "
+                        "process that never freed a larger block (asyncio's 256 KiB reads are then "
+                        "mmapped and unmapped every time)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--allow-unavailable", action="store_true",
                    help="exit 0 even if slabnet could not be imported")
@@ -155,13 +161,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
 
     with tempfile.TemporaryDirectory(prefix="slabnet-bench-") as tmpdir:
-        driver = Driver(_make_files(tmpdir), timeout, progress)
+        driver = Driver(_make_files(tmpdir), timeout, progress, heap=args.heap)
         for c in plan:
             progress.config(f"{c.scenario.name} {c.label}")
             c.runs = driver.run_config(c.scenario, c.params, c.impls, runs)
     progress.finish()
 
     meta = _meta(argv)
+    meta["versions"] += f"; heap {args.heap}"
     verdicts = evaluate(plan)
     report = markdown(plan, verdicts, meta)
     with open(os.path.join(args.out, "results.md"), "w") as f:

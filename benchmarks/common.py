@@ -125,14 +125,20 @@ def payload(n: int) -> bytes:
 
 
 class BlockingTLS:
-    """A server-side ``SSLObject`` over a blocking socket through MemoryBIOs,
-    so the server can encrypt records without sending them."""
+    """An ``SSLObject`` over a blocking socket through MemoryBIOs: server
+    side (so the server can encrypt records without sending them), or client
+    side with a `server_hostname`."""
 
-    def __init__(self, conn: socket.socket, ctx: ssl.SSLContext) -> None:
+    def __init__(
+        self, conn: socket.socket, ctx: ssl.SSLContext, server_hostname: str | None = None
+    ) -> None:
         self.conn = conn
         self.incoming = ssl.MemoryBIO()
         self.outgoing = ssl.MemoryBIO()
-        self.obj = ctx.wrap_bio(self.incoming, self.outgoing, server_side=True)
+        self.obj = ctx.wrap_bio(
+            self.incoming, self.outgoing,
+            server_side=server_hostname is None, server_hostname=server_hostname,
+        )
 
     def handshake(self) -> None:
         while True:

@@ -30,22 +30,31 @@ Better = Literal["higher", "lower"]
 # Loops an implementation can run on.
 LOOPS = ("asyncio", "uvloop")
 
+# The glibc malloc states a run can put its workers in (``--heap``), and the
+# variable that tells a worker which one it is in.
+HEAP_STATES = ("settled", "pinned")
+HEAP_ENV = "SLABNET_BENCH_HEAP"
+
 
 @dataclasses.dataclass(frozen=True)
 class Impl:
     """One implementation: an API (``streams``, ``slabnet-chunks``, ...) on a loop.
 
     ``needs_server`` is False for in-memory implementations (the TLS decrypt
-    ceiling) that run their client without a peer.
+    ceiling) that run their client without a peer.  ``on_loop`` is False for
+    reference clients that do blocking work and use no event loop (the
+    ceiling, and the TLS socket floor); they are named without a loop and
+    every slabnet implementation is compared with them.
     """
 
     api: str
     loop: str = "asyncio"
     needs_server: bool = True
+    on_loop: bool = True
 
     @property
     def name(self) -> str:
-        return self.api if not self.needs_server else f"{self.api}/{self.loop}"
+        return f"{self.api}/{self.loop}" if self.on_loop else self.api
 
     @property
     def is_slabnet(self) -> bool:
@@ -70,10 +79,12 @@ SLABNET_PROTO = _on_both_loops("slabnet-proto")
 STREAMS = _on_both_loops("streams")
 PROTO = _on_both_loops("proto")
 SLABNET_WRITER = _on_both_loops("slabnet")
-CEILING = Impl("ceiling", "asyncio", needs_server=False)
+CEILING = Impl("ceiling", "asyncio", needs_server=False, on_loop=False)
+FLOOR = Impl("floor", "asyncio", on_loop=False)
 
 ALL_IMPLS: tuple[Impl, ...] = tuple(
-    SLABNET_CHUNKS + SLABNET_READ + SLABNET_PROTO + SLABNET_WRITER + STREAMS + PROTO + [CEILING]
+    SLABNET_CHUNKS + SLABNET_READ + SLABNET_PROTO + SLABNET_WRITER + STREAMS + PROTO
+    + [FLOOR, CEILING]
 )
 
 

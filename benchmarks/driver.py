@@ -28,7 +28,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from .core import Files, Impl, Params, Scenario
+from .core import HEAP_ENV, HEAP_STATES, Files, Impl, Params, Scenario
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXIT_UNAVAILABLE = 3  # worker.EXIT_UNAVAILABLE (not imported: keeps it light)
@@ -86,15 +86,26 @@ def _last_line(text: str) -> str:
 
 
 class Driver:
-    def __init__(self, files: Files, timeout: float, on_run: Callable[[RunResult], None]) -> None:
+    def __init__(
+        self, files: Files, timeout: float, on_run: Callable[[RunResult], None],
+        heap: str = "settled",
+    ) -> None:
         self.files = files
         self.timeout = timeout
         self.on_run = on_run
         self.env = dict(os.environ)
         self.env["PYTHONPATH"] = ROOT + os.pathsep + self.env.get("PYTHONPATH", "")
-        # Workers must not be slowed by debugging aids the parent may have on.
-        for key in ("PYTHONTRACEMALLOC", "PYTHONDEVMODE", "PYTHONASYNCIODEBUG"):
+        # Workers must not be slowed by debugging aids the parent may have on,
+        # nor run with malloc tuning other than the --heap state asked for.
+        for key in ("PYTHONTRACEMALLOC", "PYTHONDEVMODE", "PYTHONASYNCIODEBUG",
+                    "PYTHONMALLOC", *[k for k in self.env if k.startswith("MALLOC_")]):
             self.env.pop(key, None)
+        if heap not in HEAP_STATES:
+            raise ValueError(f"heap must be one of {HEAP_STATES}, got {heap!r}")
+        self.env[HEAP_ENV] = heap
+        if heap == "pinned":
+            # Setting the threshold turns glibc's dynamic adjustment off.
+            self.env["MALLOC_MMAP_THRESHOLD_"] = str(128 * 1024)
 
     # ------------------------------------------------------------ plan ----
 

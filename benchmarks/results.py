@@ -67,10 +67,11 @@ def common_params(params: Sequence[Params]) -> Params:
 def pairs(impls: Sequence[Impl]) -> list[tuple[str, str]]:
     """Comparisons reported for a configuration: every slabnet
     implementation against every baseline on the same loop, and against the
-    pure-Python ceiling where there is one."""
+    loop-less references (the TLS socket floor and decrypt ceiling) where
+    there are some."""
     out: list[tuple[str, str]] = []
-    baselines = [i for i in impls if not i.is_slabnet and i.needs_server]
-    ceilings = [i for i in impls if not i.needs_server]
+    baselines = [i for i in impls if not i.is_slabnet and i.on_loop]
+    ceilings = [i for i in impls if not i.on_loop]
     for s in (i for i in impls if i.is_slabnet):
         out += [(s.name, b.name) for b in baselines if b.loop == s.loop]
         out += [(s.name, c.name) for c in ceilings]

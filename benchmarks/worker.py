@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import sys
 import traceback
@@ -20,10 +21,33 @@ from collections.abc import Callable
 from typing import Any
 
 from .common import SlabnetUnavailable, peak_rss_mib
-from .core import ClientContext, Files, impl_by_name
+from .core import HEAP_ENV, ClientContext, Files, impl_by_name
 from .scenarios import get_scenario
 
 EXIT_UNAVAILABLE = 3
+
+#: The block :func:`settle_heap` frees (any size above 256 KiB will do).
+HEAP_SETTLE_BYTES = 1 << 20
+
+
+def settle_heap() -> None:
+    """Put glibc's malloc into the state of a process that has run a while
+    (``--heap settled``, the default; ``--heap pinned`` measures the other
+    state, see the driver).
+
+    glibc serves blocks above its mmap threshold (128 KiB at start) with
+    mmap/munmap, and raises the threshold to the size of the first such
+    block that is freed.  asyncio's SSL transport asks ``SSLObject.read``
+    for 256 KiB per record: in a process that never freed a large block,
+    every record pays an mmap, page faults and an munmap (asyncio's SSL
+    Protocol at 16 KiB records: 1.41 CPU-s/GiB, against 0.44-0.68 once the
+    threshold is raised).  Which state a worker started in depended on what
+    its imports happened to allocate, and flipped with unrelated code
+    changes, so every worker frees one 1 MiB block first, as any process
+    that once read a large file or response has.
+    """
+    block = bytearray(HEAP_SETTLE_BYTES)
+    del block
 
 
 def _loop_factory(loop: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
@@ -55,6 +79,8 @@ def run_client(spec: dict[str, Any]) -> dict[str, Any]:
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[1])
+    if os.environ.get(HEAP_ENV, "settled") == "settled":
+        settle_heap()
     try:
         if spec["role"] == "server":
             run_server(spec)

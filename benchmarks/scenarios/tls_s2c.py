@@ -13,6 +13,13 @@ record with its own ``send``, so reads carry only a few records.
 ``ceiling`` is the pure-Python limit: the same records decrypted from a
 ``MemoryBIO`` in a tight ``SSLObject.read(readsize, buffer)`` loop with no
 sockets and no event loop work (fed ``readsize`` bytes of ciphertext at a time).
+
+``floor`` is that loop fed from the real socket instead: a blocking
+``recv_into`` of 128 KiB (slabnet's TLS read size) whenever the BIO runs dry,
+no event loop, no stream.  What it costs above the ceiling is the kernel's
+share of receiving over loopback (copying, and the ACKs: on loopback the
+receiver's ACK makes the sender transmit in the receiver's context), which
+every socket client pays and the ceiling does not.
 """
 
 from __future__ import annotations
@@ -24,11 +31,13 @@ import ssl
 from typing import Any, cast
 
 from ..common import (
+    SERVER_HOSTNAME,
     KiB,
     MiB,
     BlockingTLS,
     Meter,
     accept,
+    client_ssl_context,
     close_quietly,
     drain_until_closed,
     encrypt_records,
@@ -36,9 +45,11 @@ from ..common import (
     receive,
     send_in_chunks,
     server_ssl_context,
+    set_rcvbuf,
 )
 from ..core import (
     CEILING,
+    FLOOR,
     PROTO,
     SLABNET_CHUNKS,
     SLABNET_READ,
@@ -107,12 +118,62 @@ async def ceiling(ctx: ClientContext) -> dict[str, Any]:
     return meter.result(total)
 
 
+async def floor(ctx: ClientContext, request: bytes) -> dict[str, Any]:
+    size = int(ctx.params["size"])
+    readsize = int(ctx.params.get("readsize", 64 * KiB))
+    conn = socket.create_connection((ctx.host, ctx.port))
+    try:
+        set_rcvbuf(conn, int(ctx.params.get("rcvbuf", 0)))
+        tls = BlockingTLS(conn, client_ssl_context(ctx.files), server_hostname=SERVER_HOSTNAME)
+        tls.handshake()
+        if request:
+            tls.obj.write(request)
+            tls.flush()
+        buf = bytearray(128 * KiB)
+        view = memoryview(buf)
+        out = bytearray(readsize)
+        read, feed, recv_into = tls.obj.read, tls.incoming.write, conn.recv_into
+        first = total = 0
+        meter = Meter()
+        while not first:  # the first piece starts the meter, as for every client
+            try:
+                first = cast(int, read(readsize, out))
+            except ssl.SSLWantReadError:
+                got = recv_into(buf)
+                if not got:
+                    raise ConnectionError("EOF before any data") from None
+                feed(view[:got])
+        meter.start()
+        while True:
+            try:
+                n = cast(int, read(readsize, out))
+            except ssl.SSLWantReadError:
+                if first + total >= size:
+                    break
+                got = recv_into(buf)
+                if not got:
+                    break
+                feed(view[:got])
+                continue
+            if not n:
+                break  # close_notify
+            total += n
+        meter.stop()
+    finally:
+        close_quietly(conn)
+    if first + total < size:
+        raise ConnectionError(f"EOF after {first + total} of {size} bytes")
+    return meter.result(total)
+
+
 async def client(ctx: ClientContext) -> dict[str, Any]:
     if ctx.impl.api == "ceiling":
         return await ceiling(ctx)
     request = b""
     if ctx.params["shape"] == "b":
         request = f"GET /{_data_file(ctx.params)} HTTP/1.0\r\n\r\n".encode()
+    if ctx.impl.api == "floor":
+        return await floor(ctx, request)
     return await receive(ctx, int(ctx.params["size"]), tls=True, request=request)
 
 
@@ -129,7 +190,7 @@ SCENARIO = Scenario(
         "rcvbuf": [0],
     },
     quick={"size": [2 * MiB], "record": [1 * KiB, 16 * KiB]},
-    impls=SLABNET_CHUNKS + SLABNET_READ + STREAMS + PROTO + [CEILING],
+    impls=SLABNET_CHUNKS + SLABNET_READ + STREAMS + PROTO + [FLOOR, CEILING],
     client=client,
     server=serve_preencrypted,
     external_server=external_server,
