@@ -26,7 +26,7 @@ from .scenarios import get_scenario
 
 EXIT_UNAVAILABLE = 3
 
-#: The block :func:`settle_heap` frees (any size above 256 KiB will do).
+#: The block :func:`settle_heap` frees (it must be larger than asyncio's 256 KiB reads).
 HEAP_SETTLE_BYTES = 1 << 20
 
 
