@@ -119,6 +119,7 @@ async def ceiling(ctx: ClientContext) -> dict[str, Any]:
 
 
 async def floor(ctx: ClientContext, request: bytes) -> dict[str, Any]:
+    """The ceiling's loop over the real socket (see the module docstring)."""
     size = int(ctx.params["size"])
     readsize = int(ctx.params.get("readsize", 64 * KiB))
     conn = socket.create_connection((ctx.host, ctx.port))
