@@ -58,11 +58,12 @@ DEFAULT_SLAB_SIZE: Final = 65536
 
 #: Size of the buffer behind ``ReadSlab.reserve_lent``: reads that are only
 #: lent (TLS ciphertext, copied into the engine at once) come in reads of
-#: twice a slab.  Measured with ``python -m benchmarks --filter tls_s2c``:
-#: 128 KiB cut client CPU per GiB by about 7 % against 64 KiB at 1 and 16 KiB
-#: records (half the loop iterations); 96, 160 and 256 KiB all cost more
-#: than 128 KiB on this machine.
-LEND_SIZE: Final = 2 * DEFAULT_SLAB_SIZE
+#: four slabs, asyncio's SSL read size.  Measured with ``python -m benchmarks
+#: --filter tls_s2c``: 128 KiB cut client CPU per GiB by about 7 % against
+#: 64 KiB; 256 KiB cut it by another 1-2 % at 1 KiB records and 4-8 % at
+#: 16 KiB (fewer reads: less kernel work per byte), once a whole read is
+#: delivered even when the app pauses during it (see SlabTransport).
+LEND_SIZE: Final = 4 * DEFAULT_SLAB_SIZE
 
 #: How many recyclable slabs a ReadSlab keeps. A consumer iterating chunks
 #: holds the previous chunk while the next read lands, and a stream reader may
@@ -264,7 +265,7 @@ class ReadSlab:
 
         Nothing read there can outlive the loop callback, so one buffer per
         ReadSlab serves every connection, and it can be larger than a slab:
-        each read then brings twice a slab's bytes for one loop iteration.
+        each read then brings four slabs' bytes for one loop iteration.
         """
         buf = self._lend
         if buf is None:

@@ -403,8 +403,8 @@ class TLSEngine:
         before calling :meth:`release_lent`, which copies what is left.
 
         Why: a ``MemoryBIO`` never gives back memory it once grew to, so
-        writing a whole 128 KiB read would leave every connection that once
-        received one holding 128 KiB.  Fed by pieces it stays near
+        writing a whole 256 KiB read would leave every connection that once
+        received one holding 256 KiB.  Fed by pieces it stays near
         ``LEND_PIECE`` plus one batch.  The record headers are parsed at
         once, in one scanner call per read.
         """

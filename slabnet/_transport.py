@@ -75,6 +75,9 @@ CORK_LIMIT: Final = 64 * 1024
 
 #: asyncio's defaults (asyncio.constants): 60 s handshake, 30 s shutdown.
 SSL_HANDSHAKE_TIMEOUT: Final = 60.0
+
+# TLS: the most a read takes in after the app paused reading (see get_buffer).
+_PAUSED_READ: Final = 1024
 SSL_SHUTDOWN_TIMEOUT: Final = 30.0
 
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
@@ -193,6 +196,7 @@ class SlabTransport(asyncio.Transport):
         self._low = DEFAULT_HIGH_WATER // 4
         self._writing_paused = False
         self._reading_paused = False
+        self._raw_paused = False  # TLS: pause_reading() pauses the socket lazily
         self._timer: asyncio.TimerHandle | None = None
 
     # ------------------------------------------------ lifecycle gate
@@ -230,6 +234,12 @@ class SlabTransport(asyncio.Transport):
         if self._reading_paused or self._state is _State.CLOSED:
             return
         self._reading_paused = True
+        if self._proto._tls is None:
+            self._raw.pause_reading()
+        # TLS: the socket is paused when it next has data (get_buffer).
+
+    def _pause_raw(self) -> None:
+        self._raw_paused = True
         self._raw.pause_reading()
 
     def resume_reading(self) -> None:
@@ -237,11 +247,19 @@ class SlabTransport(asyncio.Transport):
             return
         self._reading_paused = False
         proto = self._proto
-        if proto._tls is not None:
-            # Plaintext that arrived before the pause is delivered first.
+        tls = proto._tls
+        if tls is None:
+            if not proto._raw_eof:
+                self._raw.resume_reading()
+            return
+        if self._raw_paused:
+            self._raw_paused = False
+            if not proto._raw_eof:
+                self._raw.resume_reading()
             self._loop.call_soon(proto._tls_pump)
-        if not proto._raw_eof:
-            self._raw.resume_reading()
+        elif tls.buffered_ciphertext:
+            # Records that arrived before the pause are delivered first.
+            self._loop.call_soon(proto._tls_pump)
 
     # ------------------------------------------------ writing: public
 
@@ -385,7 +403,9 @@ class SlabTransport(asyncio.Transport):
             self._timer = self._loop.call_later(timeout, self._shutdown_timed_out)
             if self._reading_paused:
                 self._reading_paused = False
-                self._raw.resume_reading()
+                if self._raw_paused:
+                    self._raw_paused = False
+                    self._raw.resume_reading()
             return
         if not self._reading_paused and not proto._raw_eof:
             self._raw.pause_reading()
@@ -700,6 +720,12 @@ class SlabProtocol(asyncio.BufferedProtocol):
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._tls is not None:
+            tr = self._transport
+            if tr is not None and tr._reading_paused:
+                # The app paused reading: take in only a little (the socket
+                # is paused after this read, in buffer_updated; uvloop must
+                # not be paused from get_buffer).
+                return self._slab.reserve_lent()[:_PAUSED_READ]
             return self._slab.reserve_lent()
         return self._slab.reserve(sizehint)
 
@@ -716,7 +742,15 @@ class SlabProtocol(asyncio.BufferedProtocol):
             tls.receive_data(data)
             self._tls_handshake()
         else:
-            self._tls_pump(False, False, data)  # positional: once per read
+            # A whole read is delivered even if the app pauses during it (as
+            # asyncio does).  A read made while paused is not delivered, and
+            # pauses the socket (pause_reading() leaves that to the next read).
+            paused = False
+            if tr is not None and tr._reading_paused:
+                paused = True
+                if not tr._raw_paused:
+                    tr._pause_raw()
+            self._tls_pump(not paused, False, data)
 
     def eof_received(self) -> bool | None:
         self._raw_eof = True

@@ -21,6 +21,7 @@ import pytest
 import trustme
 
 import slabnet
+from slabnet._slab import LEND_SIZE
 from conftest import (
     RawTLS,
     client_ctx,
@@ -445,10 +446,17 @@ async def test_consumer_that_never_reads_does_not_grow(server_cert: Any, tls_ca:
     await asyncio.sleep(0.2)
     assert sent < 64 * 1024 * 1024, "the sender was never blocked"
     assert not s_writer.transport.is_reading()
-    assert s_reader._size <= 2 * LIMIT + READ_SIZE, s_reader._size
-    if tls:
+    if not tls:
+        assert s_reader._size <= 2 * LIMIT + READ_SIZE, s_reader._size
+    else:
+        # A TLS read is delivered whole even if the stream pauses during it
+        # (as asyncio's SSL transport does), so the stream may hold one read
+        # more.  The next read, made while paused, takes in at most 1 KiB and
+        # pauses the socket itself: the BIO keeps a partial record and that.
+        assert s_reader._size <= 2 * LIMIT + LEND_SIZE, s_reader._size
+        assert not s_writer.transport._raw.is_reading()
         engine = s_writer.transport._proto._tls
-        assert engine.buffered_ciphertext <= 4 * READ_SIZE, engine.buffered_ciphertext
+        assert engine.buffered_ciphertext <= 32 * 1024, engine.buffered_ciphertext
     assert rss() - rss_before < 48 * 1024 * 1024
     writer.transport.abort()
     stop.set()

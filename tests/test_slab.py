@@ -220,7 +220,7 @@ def test_reserve_lent_uses_one_lending_buffer_and_no_slab() -> None:
     slab = ReadSlab()
     before = slabnet.memory_stats()
     buf = slab.reserve_lent()
-    assert len(buf) == LEND_SIZE == 2 * slab.size
+    assert len(buf) == LEND_SIZE == 4 * slab.size
     fill(buf, b"t" * LEND_SIZE)
     del buf
     lent = slab.consume(LEND_SIZE)

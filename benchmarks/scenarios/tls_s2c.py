@@ -15,7 +15,7 @@ record with its own ``send``, so reads carry only a few records.
 sockets and no event loop work (fed ``readsize`` bytes of ciphertext at a time).
 
 ``floor`` is that loop fed from the real socket instead: a blocking
-``recv_into`` of 128 KiB (slabnet's TLS read size) whenever the BIO runs dry,
+``recv_into`` of 256 KiB (the TLS read size of slabnet and asyncio) whenever the BIO runs dry,
 no event loop, no stream.  What it costs above the ceiling is the kernel's
 share of receiving over loopback (copying, and the ACKs: on loopback the
 receiver's ACK makes the sender transmit in the receiver's context), which
@@ -130,7 +130,7 @@ async def floor(ctx: ClientContext, request: bytes) -> dict[str, Any]:
         if request:
             tls.obj.write(request)
             tls.flush()
-        buf = bytearray(128 * KiB)
+        buf = bytearray(256 * KiB)
         view = memoryview(buf)
         out = bytearray(readsize)
         read, feed, recv_into = tls.obj.read, tls.incoming.write, conn.recv_into
