@@ -75,10 +75,11 @@ CORK_LIMIT: Final = 64 * 1024
 
 #: asyncio's defaults (asyncio.constants): 60 s handshake, 30 s shutdown.
 SSL_HANDSHAKE_TIMEOUT: Final = 60.0
-
-# TLS: the most a read takes in after the app paused reading (see get_buffer).
-_PAUSED_READ: Final = 1024
 SSL_SHUTDOWN_TIMEOUT: Final = 30.0
+
+#: TLS: the most one read takes in once the app has paused reading (see
+#: SlabProtocol.get_buffer); that read also pauses the socket.
+_PAUSED_READ: Final = 1024
 
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
 
@@ -236,7 +237,8 @@ class SlabTransport(asyncio.Transport):
         self._reading_paused = True
         if self._proto._tls is None:
             self._raw.pause_reading()
-        # TLS: the socket is paused when it next has data (get_buffer).
+        # TLS: the socket is paused by the next read (buffer_updated), so a
+        # stream drained before the next read costs no epoll_ctl calls.
 
     def _pause_raw(self) -> None:
         self._raw_paused = True

@@ -463,6 +463,61 @@ async def test_no_byte_lost_when_the_end_arrives_while_paused(
     writer.close()
 
 
+@pytest.mark.asyncio
+async def test_pausing_a_tls_stream_pauses_the_socket_lazily(
+    server_cert: Any, tls_ca: Any
+) -> None:
+    # Each 256 KiB read is delivered whole, which takes the stream over its
+    # high-water mark and pauses reading.  pause_reading() leaves the socket
+    # alone: only a read made while paused (at most 1 KiB) pauses it.  On the
+    # asyncio loop the consumer drains the stream before the next read, so
+    # the socket is never paused; libuv reads again at once, so on uvloop
+    # each pause costs one small read and one socket pause.  Every byte
+    # arrives either way.
+    payload = os.urandom(16 * 1024 * 1024)
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        writer.write(payload)
+        await writer.drain()
+        writer.close()
+
+    server = await slabnet.start_server(handle, "127.0.0.1", 0, ssl=server_ctx(server_cert))
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await slabnet.open_connection(
+        "127.0.0.1", port, ssl=client_ctx(tls_ca), server_hostname="localhost"
+    )
+    try:
+        tr = writer.transport
+        counts = {"app": 0, "raw": 0}
+        pause, pause_raw = tr.pause_reading, tr._pause_raw
+
+        def counted_pause() -> None:
+            counts["app"] += 1
+            pause()
+
+        def counted_pause_raw() -> None:
+            counts["raw"] += 1
+            assert tr._proto._tls.buffered_ciphertext <= 20 * 1024  # a partial record + 1 KiB
+            pause_raw()
+
+        tr.pause_reading = counted_pause  # type: ignore[method-assign]
+        tr._pause_raw = counted_pause_raw  # type: ignore[method-assign]
+        digest = hashlib.sha256()
+        got = 0
+        async for chunk in reader.chunks():
+            digest.update(chunk)
+            got += len(chunk)
+        assert got == len(payload) and digest.digest() == hashlib.sha256(payload).digest()
+        assert counts["app"] > 0, "the stream never paused"
+        assert counts["raw"] <= counts["app"], counts
+        if isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
+            assert counts["raw"] == 0, counts
+    finally:
+        writer.transport.abort()
+        server.close()
+        await server.wait_closed()
+
+
 # ---------------------------------------------------------------- features
 
 
