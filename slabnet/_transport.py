@@ -236,7 +236,7 @@ class SlabTransport(asyncio.Transport):
             return
         self._reading_paused = True
         if self._proto._tls is None:
-            self._raw.pause_reading()
+            self._pause_raw()
         # TLS: the socket is paused by the next read (buffer_updated), so a
         # stream drained before the next read costs no epoll_ctl calls.
 
@@ -250,16 +250,13 @@ class SlabTransport(asyncio.Transport):
         self._reading_paused = False
         proto = self._proto
         tls = proto._tls
-        if tls is None:
-            if not proto._raw_eof:
-                self._raw.resume_reading()
-            return
-        if self._raw_paused:
+        if self._raw_paused:  # (paused as plain TCP, even if STARTTLS came since)
             self._raw_paused = False
             if not proto._raw_eof:
                 self._raw.resume_reading()
-            self._loop.call_soon(proto._tls_pump)
-        elif tls.buffered_ciphertext:
+            if tls is not None:
+                self._loop.call_soon(proto._tls_pump)
+        elif tls is not None and tls.buffered_ciphertext:
             # Records that arrived before the pause are delivered first.
             self._loop.call_soon(proto._tls_pump)
 
@@ -409,8 +406,8 @@ class SlabTransport(asyncio.Transport):
                     self._raw_paused = False
                     self._raw.resume_reading()
             return
-        if not self._reading_paused and not proto._raw_eof:
-            self._raw.pause_reading()
+        if not self._raw_paused and not proto._raw_eof:
+            self._pause_raw()
         self._maybe_close_raw()
 
     def abort(self) -> None:
