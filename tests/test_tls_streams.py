@@ -790,3 +790,37 @@ async def test_starttls_client_side(server_cert: Any, tls_ca: Any, peer: str) ->
     assert len(upgraded) == 1
     server.close()
     await server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_starttls_after_reading_was_paused(server_cert: Any, tls_ca: Any) -> None:
+    # Reading paused on the plain connection pauses the socket itself; a
+    # STARTTLS upgrade started meanwhile waits, and the next resume_reading()
+    # (now on a TLS transport) must resume that socket.
+    upgraded: list[Any] = []
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        await _starttls_server_side(reader, writer, server_ctx(server_cert), upgraded)
+
+    server = await slabnet.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"STARTTLS\r\n")
+        assert await reader.readline() == b"220 go ahead\r\n"
+        tr = writer.transport
+        tr.pause_reading()
+        assert not tr.is_reading() and not tr._raw.is_reading()
+        upgrade = asyncio.create_task(writer.start_tls(client_ctx(tls_ca), server_hostname="localhost"))
+        await asyncio.sleep(0.2)
+        assert not upgrade.done()  # the handshake cannot read yet
+        tr.resume_reading()
+        await asyncio.wait_for(upgrade, 10)
+        assert tr._raw.is_reading()
+        writer.write(b"after the pause\n")
+        assert await asyncio.wait_for(reader.readline(), 10) == b"AFTER THE PAUSE\n"
+        assert len(upgraded) == 1
+    finally:
+        writer.transport.abort()
+        server.close()
+        await server.wait_closed()
