@@ -18,8 +18,8 @@ reinterpreted with any native width.
 A region is a writable ``memoryview`` of the pool; the pool itself is
 forgotten when exhausted and freed with the last region. When a pool is
 exhausted and none of its regions is alive any more, it is rewound and
-reused instead of reallocated (the same reference-count test as the read
-slab uses), so a steady stream of small writes allocates nothing.
+reused instead of reallocated (the same export test as the read slab
+uses), so a steady stream of small writes allocates nothing.
 
 This module is sans-IO.
 """
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from ._slab import _live_views, _Slab
+from ._slab import _exported
 
 __all__ = ["DEFAULT_POOL_SIZE", "BufferPool"]
 
@@ -53,7 +53,7 @@ class BufferPool:
     def __init__(self, pool_size: int = DEFAULT_POOL_SIZE) -> None:
         self._pool_size = 0
         self.small_limit = 0
-        self._pool: _Slab | None = None
+        self._pool: bytearray | None = None
         self._offset = 0
         self.pools_allocated = 0
         self.pools_reused = 0
@@ -90,7 +90,6 @@ class BufferPool:
             return memoryview(bytearray(nbytes))
         off = self._offset
         if self._pool is None or off + nbytes > self._pool_size:
-            # No local reference to the pool here: _new_pool counts them.
             self._new_pool()
             off = 0
         end = off + nbytes
@@ -100,16 +99,12 @@ class BufferPool:
     def _new_pool(self) -> None:
         old = self._pool
         if old is not None and len(old) == self._pool_size:
-            # Reuse the exhausted pool if no region of it is alive. ``old`` is
-            # the local _live_views expects; self._pool is one extra reference.
-            if _live_views(old, 1) == 0:
+            # Reuse the exhausted pool if no region of it is alive.
+            if not _exported(old):
                 self.pools_reused += 1
                 self._offset = 0
                 return
-        del old
-        pool = _Slab(self._pool_size)
-        pool.cached = 0
-        self._pool = pool
+        self._pool = bytearray(self._pool_size)
         self._offset = 0
         self.pools_allocated += 1
 

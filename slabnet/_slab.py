@@ -23,20 +23,25 @@ TLS record is one) gets its own exact-size buffer, so that one chunk kept for
 seconds pins only itself, never 64 KiB plus its neighbours.
 
 Liveness. A slab region must never be written while a view of it is alive.
-Every ``memoryview`` made from a ``bytearray`` goes through one managed
-buffer object that holds a strong reference to the ``bytearray``; views
-sliced from it share that managed buffer, and anything that exports a buffer
-from a view (``numpy.frombuffer``, another ``memoryview``) keeps the view and
-so the managed buffer alive. The slab's reference count above a calibrated
-baseline is therefore exactly the number of live view families, with no
-per-chunk bookkeeping on the hot path. A slab with no live views is recycled
-instead of reallocated; a slab pinned by the user is forgotten by the
-``ReadSlab`` once it is no longer among the few it caches and is freed by the
-garbage collector with the last view.
+Every ``memoryview`` made from a ``bytearray`` (and anything that exports a
+buffer from one: a slice, a cast, ``numpy.frombuffer``) counts as an export
+of the ``bytearray``, and CPython refuses to resize a ``bytearray`` while it
+has exports. ``_exported`` asks exactly that: it shrinks the slab by one byte
+and grows it back (both inside the allocation: no copy, no ``realloc``), and
+a ``BufferError`` means a view is alive. So the answer comes from the object
+itself, with no per-chunk bookkeeping on the hot path and nothing calibrated
+that a refactor or another interpreter could silently invalidate. A slab with
+no export is recycled instead of reallocated; a slab pinned by the user is
+forgotten by the ``ReadSlab`` once it is no longer among the few it caches and
+is freed with the last view.
 
 Accounting. ``memory_stats()`` reports what is really pinned: a slab with any
 live view counts in full, because CPython cannot free part of a ``bytearray``
-that has exports. Bytes referenced by live chunks are tracked with one weak
+that has exports. It asks ``_exported`` about the slabs of its own thread's
+loops; a slab of another thread's loop must not be resized under it, so for
+those (if any) one ``gc.get_referrers`` pass over the heap looks for the
+buffer objects (``managedbuffer``) that every view of a slab goes through.
+Bytes referenced by live chunks are tracked with one weak
 reference per zero-copy chunk (one per 48 KiB or more of data), so the report
 can show pinned-but-unused bytes next to them.
 
@@ -46,7 +51,8 @@ This module is sans-IO: it never touches a socket or an event loop.
 from __future__ import annotations
 
 import dataclasses
-import sys
+import gc
+import threading
 import weakref
 from typing import Final
 
@@ -75,30 +81,43 @@ _SLAB_CACHE: Final = 4
 class _Slab(bytearray):
     """A slab: a ``bytearray`` that can be weakly referenced for accounting."""
 
-    __slots__ = ("__weakref__", "cached", "chunks")
+    __slots__ = ("__weakref__", "chunks", "owner")
 
-    cached: int  # 1 while a ReadSlab holds it in its cache, else 0
     chunks: list[tuple[weakref.ref[memoryview], int]]
+    owner: int  # the thread that reads into it (threading.get_ident())
 
 
-def _live_views(slab: _Slab, extra_refs: int) -> int:
-    """Live view families of ``slab``, called with the slab in one local.
+def _exported(buf: bytearray) -> bool:
+    """True while any export of ``buf`` (a ``memoryview`` of it, or of one of
+    its views) is alive.
 
-    ``extra_refs``: references the caller holds beyond that local.
+    Only for a buffer that no other thread may be reading into: the probe
+    resizes ``buf`` for a moment. Its contents are left as they were except
+    the last byte, which is unspecified: callers only ask about buffers whose
+    bytes nobody needs any more.
     """
-    return sys.getrefcount(slab) - _BASE_REFS - slab.cached - extra_refs
+    try:
+        buf.pop()  # refused while an export exists
+    except BufferError:
+        return True
+    buf.append(0)
+    return False
 
 
-def _calibrate() -> int:
-    slab = _Slab(1)
-    slab.cached = 0
-    return _live_views(slab, 0)
+def _viewed(slabs: list[_Slab]) -> set[int]:
+    """ids of the ``slabs`` that a live view refers to, found without
+    touching them (safe from any thread): a view refers to its object
+    through a ``managedbuffer``, which the garbage collector tracks."""
+    ids = {id(s) for s in slabs}
+    found: set[int] = set()
+    for ref in gc.get_referrers(*slabs):
+        if type(ref).__name__ != "managedbuffer":
+            continue
+        for obj in gc.get_referents(ref):
+            if id(obj) in ids:
+                found.add(id(obj))
+    return found
 
-
-# Calibrated once, through the same call path: the count of a slab that no
-# view references and that the caller holds in one local variable.
-_BASE_REFS = 0
-_BASE_REFS = _calibrate()
 
 # Every slab alive in the process, by id. (A WeakSet would hash the
 # bytearray's contents.)
@@ -179,11 +198,13 @@ def memory_stats() -> MemoryStats:
     """Account for every slab in the process (all loops, all threads)."""
     slab_bytes = pinned = live_chunks = idle = 0
     slabs = [s for s in (ref() for ref in list(_all_slabs.values())) if s is not None]
+    me = threading.get_ident()
+    foreign = [s for s in slabs if s.owner != me]
+    viewed = _viewed(foreign) if foreign else set()
     for slab in slabs:
         size = len(slab)
         slab_bytes += size
-        # +1: the ``slabs`` list holds the slab too.
-        if _live_views(slab, 1) > 0:
+        if (_exported(slab) if slab.owner == me else id(slab) in viewed):
             pinned += size
             for ref, length in slab.chunks:
                 if ref() is not None:
@@ -338,28 +359,22 @@ class ReadSlab:
     def _next_slab(self) -> None:
         slabs = self._slabs
         cur = self._cur
-        for i in range(len(slabs)):
-            # Not enumerate(): its reused result tuple would hold one more
-            # reference. ``slab`` is the one local that _BASE_REFS counts.
-            slab = slabs[i]
-            if i != cur and _live_views(slab, 0) == 0:
+        for i, slab in enumerate(slabs):
+            if i != cur and not _exported(slab):
                 slab.chunks.clear()
                 _counters.slabs_recycled += 1
                 self._cur = i
                 self._offset = 0
                 return
-            del slab
         new = _Slab(self.size)
         new.chunks = []
-        new.cached = 1
+        new.owner = threading.get_ident()
         _track(new)
         _counters.slabs_allocated += 1
         if len(slabs) >= _SLAB_CACHE:
             # Forget the oldest slab other than the current one; its views
             # keep it alive as long as the application holds them.
-            drop = 0 if cur != 0 else 1
-            slabs[drop].cached = 0
-            del slabs[drop]
+            del slabs[0 if cur != 0 else 1]
         slabs.append(new)
         self._cur = len(slabs) - 1
         self._offset = 0

@@ -264,3 +264,88 @@ def test_consume_lends_the_region_without_advancing_or_copying() -> None:
     assert after.copies == before.copies  # consume never copies
     with pytest.raises(RuntimeError, match="consume"):
         slab.consume(1)
+
+
+def _derive(chunk: memoryview, how: int) -> memoryview:
+    """A view that outlives ``chunk`` and shares its slab: a slice, a view of
+    a view, a cast, or a cast of a slice of a view."""
+    if how == 0:
+        return chunk[1:]
+    if how == 1:
+        return memoryview(memoryview(chunk))
+    if how == 2:
+        return chunk.cast("B", (len(chunk),))
+    return memoryview(chunk[: len(chunk) // 2 or 1]).cast("c")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(min_value=49152, max_value=65536),  # zero-copy reads
+            st.sampled_from([None, 0, 1, 2, 3]),  # keep nothing, or a derived view
+            st.integers(min_value=0, max_value=5),  # drop a kept view after k reads
+        ),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_property_slabs_with_derived_views_are_never_recycled(
+    reads: list[tuple[int, int | None, int]],
+) -> None:
+    """Only derived views are kept (the chunk itself is dropped at once), and
+    some are dropped later: a slab is reused only when none is left, and
+    ``memory_stats`` counts exactly the slabs that are still viewed."""
+    slab = ReadSlab()
+    kept: list[tuple[memoryview, bytes, int]] = []
+    for step, (n, how, life) in enumerate(reads):
+        buf = slab.reserve(-1)
+        buf[:n] = bytes([step % 251]) * n
+        del buf
+        chunk = slab.commit(n)
+        if how is not None:
+            view = _derive(chunk, how)
+            kept.append((view, bytes(view), step + life))
+        del chunk
+        kept = [k for k in kept if k[2] >= step]  # drop those whose life ended
+        for view, expected, _ in kept:
+            assert bytes(view) == expected
+    kept_slabs = {id(v.obj): v.obj for v, _, _ in kept}
+    assert slabnet.memory_stats().pinned_bytes >= len(kept_slabs) * SLAB
+
+
+def test_stats_from_another_thread_see_views_without_touching_slabs() -> None:
+    import threading
+
+    gc.collect()
+    base = slabnet.memory_stats().pinned_bytes
+    slab = ReadSlab()
+    buf = slab.reserve(-1)
+    buf[:SLAB] = b"t" * SLAB
+    del buf
+    kept = slab.commit(SLAB)[5:9].cast("c")
+    seen: list[int] = []
+    worker = threading.Thread(target=lambda: seen.append(slabnet.memory_stats().pinned_bytes))
+    worker.start()
+    worker.join(10)
+    assert seen == [base + SLAB]
+    assert kept.tobytes() == b"tttt"
+    del kept
+    gc.collect()
+    worker = threading.Thread(target=lambda: seen.append(slabnet.memory_stats().pinned_bytes))
+    worker.start()
+    worker.join(10)
+    assert seen[1] == base
+
+
+def test_pool_sees_a_region_kept_only_through_a_cast() -> None:
+    pool = BufferPool(pool_size=1024)
+    region = pool.alloc(504)
+    region[:] = b"C" * 504
+    kept = region.cast("Q")  # 63 eight-byte items over the same bytes
+    del region
+    for _ in range(20):
+        r = pool.alloc(500)
+        r[:] = b"o" * 500
+        del r
+    assert kept.tobytes() == b"C" * 504
