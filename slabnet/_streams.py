@@ -163,15 +163,19 @@ class StreamReader:
     def _feed_chunk(self, chunk: memoryview) -> None:
         # The hot path: the transport calls this for every chunk.
         size = self._size
-        n = len(chunk)
-        if n >= _COALESCE_BELOW or not size:
-            # A big chunk, or one the consumer is keeping up with: kept as is.
-            if self._tail:
-                self._seal_tail()
+        if not size:
+            # The consumer keeps up (and the tail is empty): kept as it came.
             self._chunks.append(chunk)
+            self._size = size = len(chunk)
         else:
-            self._tail += chunk
-        self._size = size = size + n
+            n = len(chunk)
+            if n < _COALESCE_BELOW:
+                self._tail += chunk
+            else:
+                if self._tail:
+                    self._seal_tail()
+                self._chunks.append(chunk)
+            self._size = size = size + n
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
