@@ -340,7 +340,11 @@ class StreamReader:
     # ------------------------------------------------ zero-copy API
 
     async def read_chunk(self) -> memoryview:
-        """The next chunk as a read-only ``memoryview``; empty at EOF."""
+        """The next chunk as a read-only ``memoryview``; empty at EOF.
+
+        A chunk comes as the transport delivered it, except that small
+        chunks which arrived while data was buffered come joined into one
+        (see ``_COALESCE_BELOW``)."""
         if not self._size:
             if self._raise_if_done():
                 return _EMPTY
