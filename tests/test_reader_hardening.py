@@ -534,3 +534,23 @@ async def test_timed_out_read_over_tcp_keeps_its_bytes() -> None:
         writer.close()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_tuple_of_bytes_like_separators() -> None:
+    """Python 3.13's tuple of separators, bytes-like ones included, trickled
+    and with small limits: as asyncio. Before 3.13 asyncio has no tuples, and
+    neither has slabnet."""
+    seps: list[Any] = [
+        (b"cd|", b"\r\n"), (bytearray(b"\r\n"), memoryview(b"|")),
+        (b"\r\n\r\n", b"zz"), (b"\r\n\r\n", b"\n\r"), (b"|", b"q|"),
+    ]
+    if sys.version_info < (3, 13):
+        with pytest.raises(TypeError):
+            await slabnet.StreamReader().readuntil(seps[0])
+        return
+    data = b"ab|cd\r\nxyz0123456789abcdefg\r\n\r\nq|\n\r\r\n\r\n"
+    ops: list[Op] = [lambda r, s=s: r.readuntil(s) for s in seps]  # type: ignore[misc]
+    for limit in (5, 10, 2**16):
+        for pieces in splits(data)[: 2 + len(data)]:
+            await same_as_asyncio(pieces, ops, limit=limit)
