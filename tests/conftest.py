@@ -5,23 +5,98 @@
 driven by the running loop's ``sock_*`` methods. ``seal()`` returns the
 ciphertext of the given plaintexts, one ``SSLObject.write`` (so one record
 each, for pieces up to 16 KiB) per piece, for the test to send, cut or damage.
+
+The watchdog
+------------
+Every test has pytest-timeout's limit (``timeout`` in pyproject.toml, thread
+method: it dumps the stacks and ends the run). pytest-timeout stops its timer
+as soon as a test fails, though (so that a debugger session is not cut short),
+and pytest's own faulthandler timeout does the same: the teardown of a failed
+test runs with no limit, and a teardown that hangs there would hold CI until
+its own limit. So every test also runs under faulthandler's watchdog, a C
+thread that needs neither the GIL nor the test to be passing: when a phase
+(setup, call, teardown) takes twice the test's timeout it writes every
+thread's stack to stderr and exits the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import fcntl
 import gc
 import os
 import socket
 import ssl
 import struct
+import sys
 import termios
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Generator
 from typing import Any
 
 import pytest
 import pytest_asyncio
+
+
+_watchdog_fd: int | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _watchdog_fd
+    # A descriptor of the real stderr, taken before output capture can
+    # redirect descriptor 2 (the way pytest's faulthandler plugin does).
+    _watchdog_fd = os.dup(sys.stderr.fileno() if hasattr(sys.stderr, "fileno") else 2)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _watchdog_fd
+    if _watchdog_fd is not None:
+        os.close(_watchdog_fd)
+        _watchdog_fd = None
+
+
+def _test_timeout(item: pytest.Item) -> float:
+    """The item's pytest-timeout limit in seconds (0: none)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0] or 0)
+    option = item.config.getoption("timeout", None)
+    if option is not None:
+        return float(option)
+    try:
+        return float(item.config.getini("timeout") or 0)
+    except ValueError:  # pytest-timeout is not installed
+        return 0.0
+
+
+def _watched(item: pytest.Item) -> Generator[None, object, object]:
+    limit = _test_timeout(item)
+    if limit <= 0 or _watchdog_fd is None or item.config.getoption("usepdb"):
+        return (yield)
+    faulthandler.dump_traceback_later(2 * limit, exit=True, file=_watchdog_fd)
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+# Armed per phase: pytest's faulthandler plugin cancels any pending dump when
+# a phase fails (pytest_exception_interact), which is just before the teardown.
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _watched(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _watched(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _watched(item))
 
 
 def open_fds() -> int:
