@@ -243,8 +243,17 @@ def records(wire: bytes) -> list[tuple[int, int, int]]:
 
 @pytest_asyncio.fixture
 async def listener() -> AsyncIterator[socket.socket]:
-    """A plain listening socket for a raw peer (tests accept on it)."""
-    sock = socket.create_server(("127.0.0.1", 0))
+    """A plain listening socket for a raw peer (tests accept on it).
+
+    Accepted sockets get a receive buffer that is set, not autotuned: 2 x
+    256 KiB at most (the kernel doubles the value), so a peer that does not
+    read holds that much whatever the host's net.ipv4.tcp_rmem, and a test
+    that writes "far more than the kernel holds" does. Set before listen():
+    the window's scale is fixed at the handshake."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
     sock.setblocking(False)
     yield sock
     sock.close()

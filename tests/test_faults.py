@@ -38,7 +38,10 @@ TLS13 = ssl.TLSVersion.TLSv1_3
 VERSIONS = pytest.mark.parametrize("version", [TLS12, TLS13], ids=["tls12", "tls13"])
 LIMIT = 2**16  # StreamReader's default limit; it pauses above twice this
 READ_SIZE = 2**16  # the largest single read (the slab size)
-WAKE = 3.0  # seconds any waiter may take to wake after a fault
+# Seconds any waiter may take to wake after a fault. Waking takes
+# milliseconds; the margin is for a shared 2-core machine under load, and a
+# passing test never waits it out.
+WAKE = 10.0
 
 
 async def accept(listener: socket.socket) -> socket.socket:
@@ -52,6 +55,21 @@ async def tls_client(listener: socket.socket, ca: Any, **kw: Any) -> tuple[slabn
     return await slabnet.open_connection(
         "127.0.0.1", port, ssl=client_ctx(ca), server_hostname="localhost", **kw
     )
+
+
+async def roomy_client(listener: socket.socket) -> socket.socket:
+    """A client socket connected to ``listener`` whose receive buffer is set,
+    not autotuned: 2 x 1 MiB, or 2 x net.core.rmem_max where that is lower
+    (Linux's default is 208 KiB). Its window then takes a few hundred KiB the
+    reader has not read, whatever the host's net.ipv4.tcp_rmem; the socket
+    option must be set before connect(), the window's scale is fixed there."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024 * 1024)
+    sock.setblocking(False)
+    await asyncio.wait_for(
+        asyncio.get_running_loop().sock_connect(sock, listener.getsockname()), WAKE
+    )
+    return sock
 
 
 async def read_all(reader: slabnet.StreamReader) -> tuple[bytes, BaseException | None]:
@@ -87,7 +105,8 @@ async def closed(writer: slabnet.StreamWriter) -> None:
 async def test_peer_reset_mid_transfer_plain(listener: socket.socket, paused: bool) -> None:
     baseline = open_fds()
     # More than the reader buffers before it pauses (2 x 64 KiB), less than
-    # that plus the receive window, so all of it gets acknowledged.
+    # that plus the receive window (roomy_client), so all of it gets
+    # acknowledged.
     payload = os.urandom(224 * 1024)
     connected = asyncio.Event()
 
@@ -99,7 +118,7 @@ async def test_peer_reset_mid_transfer_plain(listener: socket.socket, paused: bo
         hard_close(conn)
 
     task = asyncio.create_task(peer())
-    reader, writer = await slabnet.open_connection("127.0.0.1", listener.getsockname()[1])
+    reader, writer = await slabnet.open_connection(sock=await roomy_client(listener))
     connected.set()
     if paused:
         await task  # the RST arrives while reading is paused
@@ -126,7 +145,10 @@ async def test_peer_reset_mid_transfer_tls(listener: socket.socket, server_cert:
         hard_close(tls.sock)
 
     task = asyncio.create_task(peer())
-    reader, writer = await tls_client(listener, tls_ca)
+    # The client's window must take what its reader has not read yet.
+    reader, writer = await slabnet.open_connection(
+        sock=await roomy_client(listener), ssl=client_ctx(tls_ca), server_hostname="localhost"
+    )
     await task
     await asyncio.sleep(0.1)
     data, exc = await read_all(reader)
@@ -357,7 +379,7 @@ async def test_silent_client_hits_the_server_handshake_timeout(server_cert: Any)
         got = b""
     elapsed = loop.time() - start
     sock.close()
-    assert got == b"" and 0.25 <= elapsed < 2, (got, elapsed)
+    assert got == b"" and 0.25 <= elapsed < WAKE, (got, elapsed)
     assert handled == []
     server.close()
     await server.wait_closed()
@@ -416,6 +438,7 @@ async def test_slow_consumer_memory_stays_bounded(listener: socket.socket) -> No
 @pytest.mark.asyncio
 async def test_consumer_that_never_reads_does_not_grow(server_cert: Any, tls_ca: Any, tls: bool) -> None:
     baseline = open_fds()
+    loop = asyncio.get_running_loop()
     conns: asyncio.Queue[tuple[slabnet.StreamReader, slabnet.StreamWriter]] = asyncio.Queue()
     stop = asyncio.Event()
 
@@ -424,15 +447,27 @@ async def test_consumer_that_never_reads_does_not_grow(server_cert: Any, tls_ca:
         await stop.wait()  # never reads
         writer.close()
 
+    # Small kernel buffers on both ends (set, not autotuned; before listen()
+    # and connect()): what the kernel holds stays far below the 64 MiB
+    # asserted below, whatever the host's TCP buffer sysctls allow.
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen()
+    lsock.setblocking(False)
     server = await slabnet.start_server(
-        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
+        handle, sock=lsock, ssl=server_ctx(server_cert) if tls else None
     )
     port = server.sockets[0].getsockname()[1]
+    csock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    csock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    csock.setblocking(False)
+    await asyncio.wait_for(loop.sock_connect(csock, ("127.0.0.1", port)), WAKE)
     reader, writer = await slabnet.open_connection(
-        "127.0.0.1", port, ssl=client_ctx(tls_ca) if tls else None,
+        sock=csock, ssl=client_ctx(tls_ca) if tls else None,
         server_hostname="localhost" if tls else None,
     )
-    s_reader, s_writer = await conns.get()
+    s_reader, s_writer = await asyncio.wait_for(conns.get(), WAKE)
     block = os.urandom(1024 * 1024)
     rss_before = rss()
     sent = 0
@@ -471,7 +506,10 @@ async def test_consumer_that_never_reads_does_not_grow(server_cert: Any, tls_ca:
 async def _blocked_write(writer: slabnet.StreamWriter) -> slabnet.WriteRequest:
     """Fill the kernel buffers towards a peer that does not read; return the
     WriteRequest of a write queued behind them."""
-    first = writer.write(os.urandom(32 * 1024 * 1024))  # far more than the kernel holds
+    # Far more than the kernel holds: the peer's receive buffer is set small
+    # (the listener fixture) and the client's send buffer autotunes to a few
+    # MiB at most without a window to send into.
+    first = writer.write(os.urandom(32 * 1024 * 1024))
     if writer.transport.get_extra_info("ssl_object") is None:
         assert isinstance(first, slabnet.WriteRequest)  # plain: queued at once
     await asyncio.sleep(0.05)  # TLS encrypts and sends at the end of the iteration
