@@ -31,7 +31,8 @@ import ssl
 import struct
 import sys
 import termios
-from collections.abc import AsyncIterator, Generator
+import time
+from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
 
 import pytest
@@ -236,6 +237,28 @@ def records(wire: bytes) -> list[tuple[int, int, int]]:
         out.append((ctype, off, 5 + length))
         off += 5 + length
     return out
+
+
+def block_until_records(
+    fd: int, done: Callable[[list[tuple[int, int, int]]], bool], timeout: float = 10.0
+) -> None:
+    """Block (the running loop too, on purpose) until the TLS records waiting
+    unread in the socket ``fd`` (peeked, not consumed) satisfy ``done``: a
+    test that needs records to arrive together waits for exactly that, not
+    for a peer process to be quick enough. The queue must start at a record."""
+    with socket.socket(fileno=os.dup(fd)) as peek:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                wire = peek.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                wire = b""
+            complete = [r for r in records(wire) if r[1] + r[2] <= len(wire)]
+            if done(complete):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"records never arrived; waiting: {complete}")
+            time.sleep(0.005)
 
 
 # Certificates and contexts shared by the TLS test files.
