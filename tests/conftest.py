@@ -122,14 +122,19 @@ async def fds_settle(baseline: int, timeout: float = 5.0) -> int:
     return n
 
 
-async def wait_acked(sock: socket.socket, timeout: float = 3.0) -> None:
+def unacked(sock: socket.socket) -> int:
+    """Bytes we sent that the peer's kernel has not acknowledged yet."""
+    return int(struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, b"\0" * 4))[0])
+
+
+async def wait_acked(sock: socket.socket, timeout: float = 10.0) -> None:
     """Wait until the peer's kernel has acknowledged every byte we sent (a
     RST discards what is still in our send queue, so only acknowledged bytes
     can be expected at the other end)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        queued = struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, b"\0" * 4))[0]
+        queued = unacked(sock)
         if not queued:
             return
         if loop.time() > deadline:

@@ -30,6 +30,7 @@ from conftest import (
     open_fds,
     records,
     server_ctx,
+    unacked,
     wait_acked,
 )
 
@@ -109,18 +110,25 @@ async def test_peer_reset_mid_transfer_plain(listener: socket.socket, paused: bo
     # acknowledged.
     payload = os.urandom(224 * 1024)
     connected = asyncio.Event()
+    client_paused = asyncio.Event()
 
     async def peer() -> None:
         conn = await accept(listener)
         await connected.wait()
         await asyncio.get_running_loop().sock_sendall(conn, payload)
         await wait_acked(conn)
+        if paused:
+            await client_paused.wait()
         hard_close(conn)
 
     task = asyncio.create_task(peer())
     reader, writer = await slabnet.open_connection(sock=await roomy_client(listener))
     connected.set()
     if paused:
+        async with asyncio.timeout(WAKE):
+            while writer.transport.is_reading():
+                await asyncio.sleep(0.005)
+        client_paused.set()
         await task  # the RST arrives while reading is paused
         await asyncio.sleep(0.1)
         assert not writer.transport.is_reading()
@@ -666,7 +674,10 @@ async def test_read_all_returns_the_data_before_a_reset_then_raises() -> None:
         conn.sendall(b"before-the-reset")
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         loop.call_soon_threadsafe(sent.set_result, None)
-        time.sleep(0.05)  # the data is in the client's socket buffer now
+        deadline = time.monotonic() + 10
+        while unacked(conn):  # until the data is in the client's socket buffer
+            assert time.monotonic() < deadline, "the client never acknowledged"
+            time.sleep(0.005)
         conn.close()  # SO_LINGER 0: a reset
 
     listener = socket.socket()
