@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need into .venv, then runs the
 # type check, the benchmark smoke run and the test suite (both loops); then
-# the core, write-path, TLS engine and soak tests again on every other supported Python
-# found on the machine (3.12, 3.13; each in its own .venv-3.X).
+# the core, write-path, TLS engine, plugin and soak tests again on every other supported
+# Python found on the machine (3.12, 3.13; each in its own .venv-3.X). Every test
+# runs under a time limit (pytest-timeout, from the test extra; pyproject.toml).
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 echo "== mypy --strict"
 .venv/bin/python -m mypy
@@ -12,7 +13,8 @@ echo "== pytest (Python $(.venv/bin/python -c 'import sys; print(sys.version.spl
 .venv/bin/python -m pytest "$@"
 
 other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py
-             tests/test_records.py tests/test_tls_engine.py)
+             tests/test_records.py tests/test_tls_engine.py
+             tests/test_plugin.py)  # Server.wait_closed() waits for connections from 3.12
 [ -f tests/test_soak.py ] && other_tests+=(tests/test_soak.py)
 for minor in 3.12 3.13; do
     py=""

@@ -5,23 +5,99 @@
 driven by the running loop's ``sock_*`` methods. ``seal()`` returns the
 ciphertext of the given plaintexts, one ``SSLObject.write`` (so one record
 each, for pieces up to 16 KiB) per piece, for the test to send, cut or damage.
+
+The watchdog
+------------
+Every test has pytest-timeout's limit (``timeout`` in pyproject.toml, thread
+method: it dumps the stacks and ends the run). pytest-timeout stops its timer
+as soon as a test fails, though (so that a debugger session is not cut short),
+and pytest's own faulthandler timeout does the same: the teardown of a failed
+test runs with no limit, and a teardown that hangs there would hold CI until
+its own limit. So every test also runs under faulthandler's watchdog, a C
+thread that needs neither the GIL nor the test to be passing: when a phase
+(setup, call, teardown) takes twice the test's timeout it writes every
+thread's stack to stderr and exits the process.
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import fcntl
 import gc
 import os
 import socket
 import ssl
 import struct
+import sys
 import termios
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable, Generator
 from typing import Any
 
 import pytest
 import pytest_asyncio
+
+
+_watchdog_fd: int | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _watchdog_fd
+    # A descriptor of the real stderr, taken before output capture can
+    # redirect descriptor 2 (the way pytest's faulthandler plugin does).
+    _watchdog_fd = os.dup(sys.stderr.fileno() if hasattr(sys.stderr, "fileno") else 2)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    global _watchdog_fd
+    if _watchdog_fd is not None:
+        os.close(_watchdog_fd)
+        _watchdog_fd = None
+
+
+def _test_timeout(item: pytest.Item) -> float:
+    """The item's pytest-timeout limit in seconds (0: none)."""
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0] or 0)
+    option = item.config.getoption("timeout", None)
+    if option is not None:
+        return float(option)
+    try:
+        return float(item.config.getini("timeout") or 0)
+    except ValueError:  # pytest-timeout is not installed
+        return 0.0
+
+
+def _watched(item: pytest.Item) -> Generator[None, object, object]:
+    limit = _test_timeout(item)
+    if limit <= 0 or _watchdog_fd is None or item.config.getoption("usepdb"):
+        return (yield)
+    faulthandler.dump_traceback_later(2 * limit, exit=True, file=_watchdog_fd)
+    try:
+        return (yield)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+# Armed per phase: pytest's faulthandler plugin cancels any pending dump when
+# a phase fails (pytest_exception_interact), which is just before the teardown.
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _watched(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _watched(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, object, object]:
+    return (yield from _watched(item))
 
 
 def open_fds() -> int:
@@ -46,14 +122,19 @@ async def fds_settle(baseline: int, timeout: float = 5.0) -> int:
     return n
 
 
-async def wait_acked(sock: socket.socket, timeout: float = 3.0) -> None:
+def unacked(sock: socket.socket) -> int:
+    """Bytes we sent that the peer's kernel has not acknowledged yet."""
+    return int(struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, b"\0" * 4))[0])
+
+
+async def wait_acked(sock: socket.socket, timeout: float = 10.0) -> None:
     """Wait until the peer's kernel has acknowledged every byte we sent (a
     RST discards what is still in our send queue, so only acknowledged bytes
     can be expected at the other end)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        queued = struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, b"\0" * 4))[0]
+        queued = unacked(sock)
         if not queued:
             return
         if loop.time() > deadline:
@@ -163,13 +244,44 @@ def records(wire: bytes) -> list[tuple[int, int, int]]:
     return out
 
 
+def block_until_records(
+    fd: int, done: Callable[[list[tuple[int, int, int]]], bool], timeout: float = 10.0
+) -> None:
+    """Block (the running loop too, on purpose) until the TLS records waiting
+    unread in the socket ``fd`` (peeked, not consumed) satisfy ``done``: a
+    test that needs records to arrive together waits for exactly that, not
+    for a peer process to be quick enough. The queue must start at a record."""
+    with socket.socket(fileno=os.dup(fd)) as peek:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                wire = peek.recv(1 << 20, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                wire = b""
+            complete = [r for r in records(wire) if r[1] + r[2] <= len(wire)]
+            if done(complete):
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"records never arrived; waiting: {complete}")
+            time.sleep(0.005)
+
+
 # Certificates and contexts shared by the TLS test files.
 
 
 @pytest_asyncio.fixture
 async def listener() -> AsyncIterator[socket.socket]:
-    """A plain listening socket for a raw peer (tests accept on it)."""
-    sock = socket.create_server(("127.0.0.1", 0))
+    """A plain listening socket for a raw peer (tests accept on it).
+
+    Accepted sockets get a receive buffer that is set, not autotuned: 2 x
+    256 KiB at most (the kernel doubles the value), so a peer that does not
+    read holds that much whatever the host's net.ipv4.tcp_rmem, and a test
+    that writes "far more than the kernel holds" does. Set before listen():
+    the window's scale is fixed at the handshake."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 256 * 1024)
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
     sock.setblocking(False)
     yield sock
     sock.close()

@@ -30,6 +30,7 @@ from conftest import (
     open_fds,
     records,
     server_ctx,
+    unacked,
     wait_acked,
 )
 
@@ -38,7 +39,10 @@ TLS13 = ssl.TLSVersion.TLSv1_3
 VERSIONS = pytest.mark.parametrize("version", [TLS12, TLS13], ids=["tls12", "tls13"])
 LIMIT = 2**16  # StreamReader's default limit; it pauses above twice this
 READ_SIZE = 2**16  # the largest single read (the slab size)
-WAKE = 3.0  # seconds any waiter may take to wake after a fault
+# Seconds any waiter may take to wake after a fault. Waking takes
+# milliseconds; the margin is for a shared 2-core machine under load, and a
+# passing test never waits it out.
+WAKE = 10.0
 
 
 async def accept(listener: socket.socket) -> socket.socket:
@@ -52,6 +56,21 @@ async def tls_client(listener: socket.socket, ca: Any, **kw: Any) -> tuple[slabn
     return await slabnet.open_connection(
         "127.0.0.1", port, ssl=client_ctx(ca), server_hostname="localhost", **kw
     )
+
+
+async def roomy_client(listener: socket.socket) -> socket.socket:
+    """A client socket connected to ``listener`` whose receive buffer is set,
+    not autotuned: 2 x 1 MiB, or 2 x net.core.rmem_max where that is lower
+    (Linux's default is 208 KiB). Its window then takes a few hundred KiB the
+    reader has not read, whatever the host's net.ipv4.tcp_rmem; the socket
+    option must be set before connect(), the window's scale is fixed there."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024 * 1024)
+    sock.setblocking(False)
+    await asyncio.wait_for(
+        asyncio.get_running_loop().sock_connect(sock, listener.getsockname()), WAKE
+    )
+    return sock
 
 
 async def read_all(reader: slabnet.StreamReader) -> tuple[bytes, BaseException | None]:
@@ -87,21 +106,29 @@ async def closed(writer: slabnet.StreamWriter) -> None:
 async def test_peer_reset_mid_transfer_plain(listener: socket.socket, paused: bool) -> None:
     baseline = open_fds()
     # More than the reader buffers before it pauses (2 x 64 KiB), less than
-    # that plus the receive window, so all of it gets acknowledged.
+    # that plus the receive window (roomy_client), so all of it gets
+    # acknowledged.
     payload = os.urandom(224 * 1024)
     connected = asyncio.Event()
+    client_paused = asyncio.Event()
 
     async def peer() -> None:
         conn = await accept(listener)
         await connected.wait()
         await asyncio.get_running_loop().sock_sendall(conn, payload)
         await wait_acked(conn)
+        if paused:
+            await client_paused.wait()
         hard_close(conn)
 
     task = asyncio.create_task(peer())
-    reader, writer = await slabnet.open_connection("127.0.0.1", listener.getsockname()[1])
+    reader, writer = await slabnet.open_connection(sock=await roomy_client(listener))
     connected.set()
     if paused:
+        async with asyncio.timeout(WAKE):
+            while writer.transport.is_reading():
+                await asyncio.sleep(0.005)
+        client_paused.set()
         await task  # the RST arrives while reading is paused
         await asyncio.sleep(0.1)
         assert not writer.transport.is_reading()
@@ -126,7 +153,10 @@ async def test_peer_reset_mid_transfer_tls(listener: socket.socket, server_cert:
         hard_close(tls.sock)
 
     task = asyncio.create_task(peer())
-    reader, writer = await tls_client(listener, tls_ca)
+    # The client's window must take what its reader has not read yet.
+    reader, writer = await slabnet.open_connection(
+        sock=await roomy_client(listener), ssl=client_ctx(tls_ca), server_hostname="localhost"
+    )
     await task
     await asyncio.sleep(0.1)
     data, exc = await read_all(reader)
@@ -357,7 +387,7 @@ async def test_silent_client_hits_the_server_handshake_timeout(server_cert: Any)
         got = b""
     elapsed = loop.time() - start
     sock.close()
-    assert got == b"" and 0.25 <= elapsed < 2, (got, elapsed)
+    assert got == b"" and 0.25 <= elapsed < WAKE, (got, elapsed)
     assert handled == []
     server.close()
     await server.wait_closed()
@@ -416,6 +446,7 @@ async def test_slow_consumer_memory_stays_bounded(listener: socket.socket) -> No
 @pytest.mark.asyncio
 async def test_consumer_that_never_reads_does_not_grow(server_cert: Any, tls_ca: Any, tls: bool) -> None:
     baseline = open_fds()
+    loop = asyncio.get_running_loop()
     conns: asyncio.Queue[tuple[slabnet.StreamReader, slabnet.StreamWriter]] = asyncio.Queue()
     stop = asyncio.Event()
 
@@ -424,15 +455,27 @@ async def test_consumer_that_never_reads_does_not_grow(server_cert: Any, tls_ca:
         await stop.wait()  # never reads
         writer.close()
 
+    # Small kernel buffers on both ends (set, not autotuned; before listen()
+    # and connect()): what the kernel holds stays far below the 64 MiB
+    # asserted below, whatever the host's TCP buffer sysctls allow.
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen()
+    lsock.setblocking(False)
     server = await slabnet.start_server(
-        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
+        handle, sock=lsock, ssl=server_ctx(server_cert) if tls else None
     )
     port = server.sockets[0].getsockname()[1]
+    csock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    csock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 * 1024)
+    csock.setblocking(False)
+    await asyncio.wait_for(loop.sock_connect(csock, ("127.0.0.1", port)), WAKE)
     reader, writer = await slabnet.open_connection(
-        "127.0.0.1", port, ssl=client_ctx(tls_ca) if tls else None,
+        sock=csock, ssl=client_ctx(tls_ca) if tls else None,
         server_hostname="localhost" if tls else None,
     )
-    s_reader, s_writer = await conns.get()
+    s_reader, s_writer = await asyncio.wait_for(conns.get(), WAKE)
     block = os.urandom(1024 * 1024)
     rss_before = rss()
     sent = 0
@@ -471,7 +514,10 @@ async def test_consumer_that_never_reads_does_not_grow(server_cert: Any, tls_ca:
 async def _blocked_write(writer: slabnet.StreamWriter) -> slabnet.WriteRequest:
     """Fill the kernel buffers towards a peer that does not read; return the
     WriteRequest of a write queued behind them."""
-    first = writer.write(os.urandom(32 * 1024 * 1024))  # far more than the kernel holds
+    # Far more than the kernel holds: the peer's receive buffer is set small
+    # (the listener fixture) and the client's send buffer autotunes to a few
+    # MiB at most without a window to send into.
+    first = writer.write(os.urandom(32 * 1024 * 1024))
     if writer.transport.get_extra_info("ssl_object") is None:
         assert isinstance(first, slabnet.WriteRequest)  # plain: queued at once
     await asyncio.sleep(0.05)  # TLS encrypts and sends at the end of the iteration
@@ -628,7 +674,10 @@ async def test_read_all_returns_the_data_before_a_reset_then_raises() -> None:
         conn.sendall(b"before-the-reset")
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
         loop.call_soon_threadsafe(sent.set_result, None)
-        time.sleep(0.05)  # the data is in the client's socket buffer now
+        deadline = time.monotonic() + 10
+        while unacked(conn):  # until the data is in the client's socket buffer
+            assert time.monotonic() < deadline, "the client never acknowledged"
+            time.sleep(0.005)
         conn.close()  # SO_LINGER 0: a reset
 
     listener = socket.socket()

@@ -320,7 +320,10 @@ async def test_slow_consumer_pauses_reading_and_memory_stays_bounded() -> None:
     limit = 2**16
     reader, writer = await slabnet.open_connection("127.0.0.1", port, limit=limit)
     await reader.readexactly(10)
-    await asyncio.sleep(0.5)  # the sender keeps pushing; we do not read
+    async with asyncio.timeout(10):  # the sender keeps pushing; we do not read
+        while writer.transport.is_reading():
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.1)  # and reading stays paused
     assert not writer.transport.is_reading()
     buffered = reader._size
     assert buffered <= 2 * limit + 65536

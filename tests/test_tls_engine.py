@@ -23,6 +23,7 @@ import trustme
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from conftest import block_until_records
 from slabnet._errors import TLSRecordError, TLSTruncatedError
 from slabnet._tls import (
     _LEND_LOW,
@@ -1069,11 +1070,11 @@ def renegotiate_from_s_server(srv: OpenSSLProc, pump: Pump, engine: TLSEngine) -
     # comes back first and the handshake record is still unread.
     start = len(pump.received)
     srv.send(b"BEFORE-RENEGOTIATION\n")
-    time.sleep(0.3)
-    srv.send(b"r\n")  # s_server: renegotiate
-    time.sleep(0.5)
+    fd = pump.sock.fileno()
+    block_until_records(fd, lambda recs: any(r[0] == 23 for r in recs))
+    srv.send(b"r\n")  # s_server: renegotiate (a command must come alone)
+    block_until_records(fd, lambda recs: any(r[0] == 22 for r in recs))  # HelloRequest
     pump.recv_once()
-    time.sleep(0.2)
     pump.sock.setblocking(False)
     try:
         while True:

@@ -18,6 +18,8 @@ import slabnet
 import slabnet._transport as transport_mod
 import slabnet._write as write_mod
 
+from conftest import hard_close, wait_acked
+
 
 class CountingSocket:
     """Wraps the transport's socket to count system calls."""
@@ -56,6 +58,54 @@ async def sink_server() -> tuple[asyncio.Server, int, asyncio.Future[bytes]]:
     return server, server.sockets[0].getsockname()[1], done
 
 
+# Kernel buffers for the tests that need a backlog. Setting SO_SNDBUF and
+# SO_RCVBUF turns the kernel's autotuning off for that socket (tcp(7)) and the
+# kernel doubles the value for its bookkeeping, so all the kernel can hold
+# between writer and reader is about 4 x SMALL_BUF (plus one segment),
+# whatever the host's net.ipv4.tcp_wmem / tcp_rmem allow. The socket options
+# must be set before connect() and listen(): the receive window's scale is
+# fixed at the handshake.
+SMALL_BUF = 32 * 1024
+KERNEL_HOLDS_AT_MOST = 4 * SMALL_BUF + 64 * 1024
+
+
+def small_listener() -> socket.socket:
+    """A listening socket whose accepted connections get a small receive buffer."""
+    lsock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUF)
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen()
+    lsock.setblocking(False)
+    return lsock
+
+
+async def roomy_connect(port: int) -> socket.socket:
+    """A client socket whose send buffer is set, not autotuned: 2 x 256 KiB, or
+    2 x net.core.wmem_max where that is lower (Linux's default is 208 KiB).
+    The kernel queues what the receiver's window does not take yet, so one
+    send of up to 400 KiB is accepted whole, whatever the host's tcp_wmem."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 256 * 1024)
+    sock.setblocking(False)
+    async with asyncio.timeout(5):
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    return sock
+
+
+async def small_connect(lsock: socket.socket) -> tuple[socket.socket, socket.socket]:
+    """(client, accepted peer), the client with a small send buffer; the peer
+    reads nothing until the test reads from it."""
+    loop = asyncio.get_running_loop()
+    client = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUF)
+    client.setblocking(False)
+    async with asyncio.timeout(5):
+        await loop.sock_connect(client, lsock.getsockname())
+        peer, _ = await loop.sock_accept(lsock)
+    peer.setblocking(False)
+    return client, peer
+
+
 @pytest.mark.asyncio
 async def test_synchronous_writes_create_no_request(monkeypatch: pytest.MonkeyPatch) -> None:
     made = []
@@ -70,16 +120,18 @@ async def test_synchronous_writes_create_no_request(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(write_mod, "WriteRequest", Counted)
     monkeypatch.setattr(transport_mod, "WriteRequest", Counted)
     server, port, done = await sink_server()
-    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    sock = await roomy_connect(port)
+    reader, writer = await slabnet.open_connection(sock=sock)
     results = []
     for size in (10, 1024, 40_000, 100_000):
         for _ in range(5):
             results.append(writer.write(os.urandom(size)))
-            await asyncio.sleep(0.01)  # let each go out: the socket never fills
+            await asyncio.sleep(0)  # the end-of-iteration flush of a small write
+            await wait_acked(sock)  # the send buffer is empty again: never fills
     assert results == [None] * len(results)
     assert made == []
     writer.write_eof()
-    assert len(await done) == 5 * (10 + 1024 + 40_000 + 100_000)
+    assert len(await asyncio.wait_for(done, 10)) == 5 * (10 + 1024 + 40_000 + 100_000)
     writer.close()
     server.close()
 
@@ -87,7 +139,7 @@ async def test_synchronous_writes_create_no_request(monkeypatch: pytest.MonkeyPa
 @pytest.mark.asyncio
 async def test_small_writes_of_one_iteration_share_one_sendmsg() -> None:
     server, port, done = await sink_server()
-    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    reader, writer = await slabnet.open_connection(sock=await roomy_connect(port))
     counting = CountingSocket(writer.transport._sock)
     writer.transport._sock = counting  # type: ignore[assignment]
     pieces = [bytes([i]) * 1024 for i in range(48)]
@@ -105,7 +157,7 @@ async def test_small_writes_of_one_iteration_share_one_sendmsg() -> None:
     assert counting.sendmsg_calls + counting.send_calls == 2
     writer.transport._sock = counting._sock
     writer.write_eof()
-    assert await done == b"".join(pieces + pieces + pieces)
+    assert await asyncio.wait_for(done, 10) == b"".join(pieces + pieces + pieces)
     writer.close()
     server.close()
 
@@ -122,7 +174,7 @@ async def test_writelines_is_one_sendmsg_and_keeps_order() -> None:
     writer.transport._sock = counting._sock
     writer.write(b"small")
     writer.write_eof()
-    assert await done == b"".join(big) + b"small"
+    assert await asyncio.wait_for(done, 10) == b"".join(big) + b"small"
     writer.close()
     server.close()
 
@@ -139,15 +191,20 @@ async def test_partial_sends_with_tiny_sndbuf_and_slow_reader() -> None:
         while data := await reader.read(7000):
             got.update(data)
             n += len(data)
-            await asyncio.sleep(0.001)
+            await asyncio.sleep(0)  # one small read per turn of the loop
         finished.set_result(n)
         writer.close()
 
-    server = await asyncio.start_server(slow_reader, "127.0.0.1", 0)
+    # Small kernel buffers on both ends (not only the 4 KiB send buffer: on
+    # loopback the receiver's window counts as much), so the writes must queue
+    # whatever the host's TCP buffer sysctls, and the reader need not sleep.
+    server = await asyncio.start_server(slow_reader, sock=small_listener())
     port = server.sockets[0].getsockname()[1]
-    sock = socket.create_connection(("127.0.0.1", port))
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     sock.setblocking(False)
+    async with asyncio.timeout(5):
+        await loop.sock_connect(sock, ("127.0.0.1", port))
     reader, writer = await slabnet.open_connection(sock=sock)
     expected = hashlib.sha256()
     total = 0
@@ -162,13 +219,15 @@ async def test_partial_sends_with_tiny_sndbuf_and_slow_reader() -> None:
         if req is not None:
             requests.append(req)
         if i % 10 == 9:
-            await writer.drain()
-    assert requests, "a 4 KiB send buffer must make some writes queue"
+            async with asyncio.timeout(30):
+                await writer.drain()
+    assert requests, "small socket buffers must make some writes queue"
     assert all(isinstance(r, slabnet.WriteRequest) for r in requests)
-    await asyncio.gather(*requests)
+    async with asyncio.timeout(30):
+        await asyncio.gather(*requests)
     assert all(r.done() for r in requests)
     writer.write_eof()
-    assert await asyncio.wait_for(finished, 60) == total
+    assert await asyncio.wait_for(finished, 30) == total
     assert got.hexdigest() == expected.hexdigest()
     writer.close()
     server.close()
@@ -184,83 +243,74 @@ async def test_mutating_a_bytearray_after_write_does_not_change_what_is_sent() -
     writer.write(buf)
     buf[:] = b"c" * 1000
     writer.write_eof()
-    assert await done == b"a" * 1000 + b"b" * 1000
+    assert await asyncio.wait_for(done, 10) == b"a" * 1000 + b"b" * 1000
     writer.close()
     server.close()
 
 
 @pytest.mark.asyncio
 async def test_flow_control_pauses_above_high_and_resumes_below_low() -> None:
+    """The backlog is what the kernel cannot hold: small socket buffers on
+    both ends bound that to KERNEL_HOLDS_AT_MOST, whatever the host's TCP
+    buffer sysctls, and the peer reads nothing until released."""
     loop = asyncio.get_running_loop()
+    lsock = small_listener()
+    client, peer = await small_connect(lsock)
     release = asyncio.Event()
-    received: asyncio.Future[int] = loop.create_future()
 
-    async def lazy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def consume() -> int:
         await release.wait()
-        n = len(await reader.read())
-        received.set_result(n)
-        writer.close()
+        n = 0
+        while data := await loop.sock_recv(peer, 65536):
+            n += len(data)
+        return n
 
-    server = await asyncio.start_server(lazy, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    consumer = asyncio.ensure_future(consume())
+    reader, writer = await slabnet.open_connection(sock=client)
     tr = writer.transport
     tr.set_write_buffer_limits(high=256 * 1024, low=64 * 1024)
     assert tr.get_write_buffer_limits() == (64 * 1024, 256 * 1024)
-    block = os.urandom(1 << 20)
-    sent = 0
-    drain = None
-    for _ in range(64):  # up to 64 MiB, far more than the kernel buffers
-        writer.write(block)
-        sent += len(block)
-        drain = asyncio.ensure_future(writer.drain())
-        await asyncio.sleep(0)
-        if not drain.done():
-            break
-    assert drain is not None and not drain.done(), "drain() must block above the high mark"
-    size = tr.get_write_buffer_size()
-    assert size > 256 * 1024
-    await asyncio.sleep(0.2)
-    assert not drain.done()
-    assert tr.get_write_buffer_size() == size  # the peer reads nothing
+    payload = os.urandom(2 << 20)
+    assert len(payload) > 256 * 1024 + KERNEL_HOLDS_AT_MOST
+    writer.write(payload)
+    drain = asyncio.ensure_future(writer.drain())
+    await asyncio.sleep(0.2)  # the kernel takes what fits; the peer reads nothing
+    assert not drain.done(), "drain() must block above the high mark"
+    assert tr.get_write_buffer_size() >= len(payload) - KERNEL_HOLDS_AT_MOST
     release.set()
-    await asyncio.wait_for(drain, 30)
+    async with asyncio.timeout(10):
+        await drain
     assert tr.get_write_buffer_size() <= 64 * 1024
     writer.write_eof()
-    assert await asyncio.wait_for(received, 30) == sent
+    async with asyncio.timeout(10):
+        assert await consumer == len(payload)
     writer.close()
-    server.close()
+    await writer.wait_closed()
+    peer.close()
+    lsock.close()
 
 
 @pytest.mark.asyncio
 async def test_reset_while_writes_are_queued_fails_requests() -> None:
-    loop = asyncio.get_running_loop()
-    accepted: asyncio.Future[asyncio.StreamWriter] = loop.create_future()
-
-    async def never_reads(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        accepted.set_result(writer)
-
-    server = await asyncio.start_server(never_reads, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    reader, writer = await slabnet.open_connection("127.0.0.1", port)
-    peer = await accepted
-    block = os.urandom(1 << 20)
-    requests = [r for r in (writer.write(block) for _ in range(32)) if r is not None]
-    assert requests
-    # Reset: close the peer with SO_LINGER 0.
-    psock = peer.get_extra_info("socket")
-    psock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-    peer.transport.abort()
-    results = await asyncio.wait_for(
-        asyncio.gather(*requests, return_exceptions=True), 10
-    )
+    lsock = small_listener()
+    client, peer = await small_connect(lsock)
+    reader, writer = await slabnet.open_connection(sock=client)
+    block = os.urandom(1 << 20)  # each far above what the kernel can hold
+    requests = [r for r in (writer.write(block) for _ in range(4)) if r is not None]
+    assert len(requests) == 4
+    # Reset: the peer closes with SO_LINGER 0.
+    hard_close(peer)
+    async with asyncio.timeout(10):
+        results = await asyncio.gather(*requests, return_exceptions=True)
     assert all(isinstance(r, ConnectionError) for r in results), results
     with pytest.raises(ConnectionError):
-        await asyncio.wait_for(writer.drain(), 10)
+        async with asyncio.timeout(10):
+            await writer.drain()
     with pytest.raises(ConnectionError):
-        await asyncio.wait_for(reader.read(10), 10)
+        async with asyncio.timeout(10):
+            await reader.read(10)
     writer.close()
-    server.close()
+    lsock.close()
 
 
 @pytest.mark.asyncio
