@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import RawTLS, client_ctx, server_ctx
+from conftest import RawTLS, client_ctx, records, server_ctx
 from slabnet._errors import TLSRecordError
 from slabnet._records import MAX_LENGTH_TLS12
 from slabnet._tls import _LEND_LOW, LEND_PIECE, MAX_FRAGMENT, TLSEngine, TLSState
@@ -213,6 +213,59 @@ def test_handshake_last_read_with_a_burst_is_lent_by_pieces(
     lent[:] = bytes(len(lent))  # the lender reuses its buffer
     assert b"".join(got) == payload
     assert 0 < inc.peak <= INCOMING_BOUND, inc.peak
+
+
+@pytest.fixture(scope="module")
+def long_chain() -> tuple[Any, Any]:
+    """A CA and a leaf certificate 90 intermediates below it: the server's
+    Certificate message is about 47 KiB, more than one lent piece."""
+    import trustme
+
+    ca = trustme.CA(path_length=95)
+    issuer = ca
+    for _ in range(90):
+        issuer = issuer.create_child_ca()
+    return ca, issuer.issue_cert("localhost")
+
+
+@VERSIONS
+def test_handshake_flight_longer_than_a_piece_is_taken_in_one_call(
+    long_chain: tuple[Any, Any], version: ssl.TLSVersion
+) -> None:
+    # Every flight is lent, as the shell lends every read: do_handshake()
+    # moves piece after piece into the BIO until OpenSSL has what it needs,
+    # so one call takes the whole flight and answers it.
+    ca, leaf = long_chain
+    cctx, sctx = client_ctx(ca, version), server_ctx(leaf, version)
+    c = TLSEngine(cctx, server_hostname="localhost")
+    s = TLSEngine(sctx, server_side=True)
+    incoming = [watch(c)[0], watch(s)[0]]
+    sides = [c, s]
+    assert not c.do_handshake()
+    wire = c.data_to_send()
+    longest = 0
+    for turn in range(1, 10):
+        engine = sides[turn % 2]
+        lent = bytearray(wire)
+        engine.lend_data(memoryview(lent))
+        done = engine.do_handshake()
+        # Nothing of the flight is left over for a later call.
+        assert engine.buffered_ciphertext == 0, (turn, engine.buffered_ciphertext)
+        engine.release_lent()
+        lent[:] = bytes(len(lent))
+        longest = max(longest, len(wire))
+        wire = engine.data_to_send()
+        if done and c.state is TLSState.OPEN and s.state is TLSState.OPEN:
+            break
+        assert wire, turn  # each flight is answered at once
+    else:
+        raise AssertionError("the handshake did not finish")
+    # The long flight went in by pieces: at most a piece on top of the
+    # start of a record OpenSSL was waiting to complete.
+    assert longest > LEND_PIECE
+    assert max(bio.peak for bio in incoming) <= LEND_PIECE + LARGEST_RECORD
+    s.write(b"after")  # behind the server's last output (TLS 1.3 tickets)
+    assert read_all(c, wire + s.data_to_send()) == b"after"
 
 
 async def _tls13_client_finished_with_burst(
@@ -453,11 +506,15 @@ def _good_then_bad(s: TLSEngine, header: bytes) -> tuple[bytes, bytes, bytes]:
 @pytest.mark.parametrize("kind", sorted(BAD_HEADERS))
 @pytest.mark.parametrize("cut", [0, 1, 2, 3, 4, "bytewise"])
 @pytest.mark.parametrize("feed", ["lend_data", "receive_data"])
+@pytest.mark.parametrize("drain", ["each", "end"])
 def test_invalid_header_split_across_reads(
-    server_cert: Any, tls_ca: Any, version: ssl.TLSVersion, kind: str, cut: Any, feed: str
+    server_cert: Any, tls_ca: Any, version: ssl.TLSVersion, kind: str, cut: Any,
+    feed: str, drain: str,
 ) -> None:
-    # Whole (cut 0) or split after 1..4 of its 5 bytes, or one byte a read:
-    # every byte in front of the header is delivered, then TLSRecordError.
+    # Whole (cut 0) or split after 1..4 of its 5 bytes, or one byte a read;
+    # the records are read after each read, or only after the last (an app
+    # that paused): every byte in front of the header is delivered, then
+    # TLSRecordError.
     c, s = make_pair(*engine_contexts(server_cert, tls_ca, version))
     header, words = BAD_HEADERS[kind]
     plain, good, wire = _good_then_bad(s, header)
@@ -475,6 +532,9 @@ def test_invalid_header_split_across_reads(
             c.lend_data(memoryview(bytearray(data)))
         else:
             c.receive_data(data)
+        if drain == "end" and data is not reads[-1]:
+            c.release_lent()
+            continue
         try:
             while (chunk := c.read_chunk()) is not None:
                 assert chunk
@@ -535,6 +595,47 @@ async def test_stream_invalid_header_split_across_reads(
         with pytest.raises(TLSRecordError, match="unknown content type 99"):
             await reader.read()
         writer.close()
+        await task
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("cut", [1, 2, 3, 4])
+async def test_stream_invalid_header_split_during_handshake(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, cut: int,
+    watched: list[TLSEngine],
+) -> None:
+    # The server's ServerHello (a good record), then an invalid header in
+    # two reads: OpenSSL must never see it, the client gets TLSRecordError.
+    loop = asyncio.get_running_loop()
+    header = b"\x17\x09\x09\x00\x20"
+    go_on: asyncio.Future[None] = loop.create_future()
+
+    async def peer() -> None:
+        conn, _ = await loop.sock_accept(listener)
+        tls = RawTLS(conn, server_ctx(server_cert, TLS13), server_side=True)
+        await tls._pull()
+        with pytest.raises(ssl.SSLWantReadError):
+            tls.obj.do_handshake()
+        flight = tls.outgoing.read()
+        ctype, off, size = records(flight)[0]
+        assert ctype == 22  # ServerHello
+        await tls.send(flight[off : off + size] + header[:cut])
+        await go_on
+        await tls.send(header[cut:] + bytes(32))
+        await tls.linger()
+
+    async with asyncio.timeout(10):
+        task = asyncio.create_task(peer())
+        connect = asyncio.create_task(slabnet.open_connection(
+            "127.0.0.1", listener.getsockname()[1], ssl=client_ctx(tls_ca, TLS13),
+            server_hostname="localhost",
+        ))
+        while not watched or len(watched[0]._scanner._partial) < cut:
+            await asyncio.sleep(0.005)
+        assert len(watched[0]._scanner._partial) == cut
+        go_on.set_result(None)
+        with pytest.raises(TLSRecordError, match="major byte 9"):
+            await connect
         await task
 
 
