@@ -6,13 +6,17 @@ Theory of operation
 The engine never touches a socket.  The shell hands it ciphertext with
 :meth:`TLSEngine.receive_data` (copied into the incoming ``MemoryBIO`` at
 once, because the caller's buffer is a view of a shared read slab that is
-reused right after), asks for plaintext with :meth:`TLSEngine.read_chunk`, and
-sends whatever :meth:`TLSEngine.data_to_send` returns.  Exact call order::
+reused right after) or lends it with :meth:`TLSEngine.lend_data` (see
+there), asks for plaintext with :meth:`TLSEngine.read_chunk`, and sends
+whatever :meth:`TLSEngine.data_to_send` (one ``bytes``) or
+:meth:`TLSEngine.data_to_send_many` (a list of pieces) returns.  Exact call
+order::
 
     engine = TLSEngine(ctx, server_hostname=...)
     send(engine.data_to_send())              # ClientHello (clients)
     on every piece of ciphertext:
-        engine.receive_data(piece)
+        engine.receive_data(piece)           # or lend_data(piece), and
+                                             # release_lent() at the end
         if engine.state is HANDSHAKING:
             done = engine.do_handshake()     # raises on failure
             send(engine.data_to_send())
@@ -25,6 +29,13 @@ sends whatever :meth:`TLSEngine.data_to_send` returns.  Exact call order::
     to write:   engine.write(data) / write_many(bufs); send(data_to_send())
     to close:   engine.start_shutdown(); send(data_to_send()); keep reading
                 until read_chunk() returns the empty view (state CLOSED)
+
+Neither BIO ever holds much: a ``MemoryBIO`` keeps the largest size it once
+grew to for the life of the connection.  Incoming ciphertext given to
+``lend_data`` goes in ``LEND_PIECE`` bytes at a time, during the handshake
+too (the read that completes it may carry a burst of data behind the last
+flight); outgoing plaintext goes to ``SSLObject.write`` ``WRITE_SLICE``
+bytes at a time, with the ciphertext taken out in between.
 
 ``SSLWantReadError`` only means "feed me more ciphertext"; with memory BIOs
 ``SSLWantWriteError`` cannot happen, because the outgoing BIO grows without
@@ -90,7 +101,10 @@ when ``ragged_eof=True``) or with an exception; it is reported after every
 byte decrypted before it, and again on every later call.  ``ssl.SSLError``
 subclasses raised by OpenSSL pass through unchanged.  A record header that
 cannot be valid raises ``TLSRecordError`` once the records in front of it are
-delivered.  A FIN without close_notify raises ``TLSTruncatedError`` (unless
+delivered, however the reads cut it: the scanner keeps the start of a header
+until its end arrives, and OpenSSL never gets an invalid header whole (only
+the start that came with an earlier read is in the BIO; the engine counts
+what went into the BIO itself, since the scanner's ``fed`` then goes back).  A FIN without close_notify raises ``TLSTruncatedError`` (unless
 ``ragged_eof``); a FIN inside a record always does, because bytes were lost.
 Nothing after close_notify is returned.
 
