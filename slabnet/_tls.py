@@ -104,7 +104,8 @@ cannot be valid raises ``TLSRecordError`` once the records in front of it are
 delivered, however the reads cut it: the scanner keeps the start of a header
 until its end arrives, and OpenSSL never gets an invalid header whole (only
 the start that came with an earlier read is in the BIO; the engine counts
-what went into the BIO itself, since the scanner's ``fed`` then goes back).  A FIN without close_notify raises ``TLSTruncatedError`` (unless
+what went into the BIO itself, since the scanner's ``fed`` then goes back).
+A FIN without close_notify raises ``TLSTruncatedError`` (unless
 ``ragged_eof``); a FIN inside a record always does, because bytes were lost.
 Nothing after close_notify is returned.
 
