@@ -75,7 +75,12 @@ content type and on keys the scanner does not know, and OpenSSL checks it.
 
 On an invalid header the scanner stops accepting bytes: :attr:`fed` stays at
 the offset of the bad header, so the engine writes only the valid prefix into
-the BIO and can still hand out every record before the bad one.
+the BIO and can still hand out every record before the bad one.  A header cut
+by the end of a feed is kept (up to 4 bytes) and checked when the feed that
+completes it comes; if it is bad, :attr:`fed` goes back to its offset, below
+what the caller already passed on (the start of the header, which is
+harmless: nobody can read a record from it), so the caller passes on nothing
+of that feed.
 """
 
 from __future__ import annotations

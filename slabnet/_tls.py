@@ -6,13 +6,17 @@ Theory of operation
 The engine never touches a socket.  The shell hands it ciphertext with
 :meth:`TLSEngine.receive_data` (copied into the incoming ``MemoryBIO`` at
 once, because the caller's buffer is a view of a shared read slab that is
-reused right after), asks for plaintext with :meth:`TLSEngine.read_chunk`, and
-sends whatever :meth:`TLSEngine.data_to_send` returns.  Exact call order::
+reused right after) or lends it with :meth:`TLSEngine.lend_data` (see
+there), asks for plaintext with :meth:`TLSEngine.read_chunk`, and sends
+whatever :meth:`TLSEngine.data_to_send` (one ``bytes``) or
+:meth:`TLSEngine.data_to_send_many` (a list of pieces) returns.  Exact call
+order::
 
     engine = TLSEngine(ctx, server_hostname=...)
     send(engine.data_to_send())              # ClientHello (clients)
     on every piece of ciphertext:
-        engine.receive_data(piece)
+        engine.receive_data(piece)           # or lend_data(piece), and
+                                             # release_lent() at the end
         if engine.state is HANDSHAKING:
             done = engine.do_handshake()     # raises on failure
             send(engine.data_to_send())
@@ -25,6 +29,13 @@ sends whatever :meth:`TLSEngine.data_to_send` returns.  Exact call order::
     to write:   engine.write(data) / write_many(bufs); send(data_to_send())
     to close:   engine.start_shutdown(); send(data_to_send()); keep reading
                 until read_chunk() returns the empty view (state CLOSED)
+
+Neither BIO ever holds much: a ``MemoryBIO`` keeps the largest size it once
+grew to for the life of the connection.  Incoming ciphertext given to
+``lend_data`` goes in ``LEND_PIECE`` bytes at a time, during the handshake
+too (the read that completes it may carry a burst of data behind the last
+flight); outgoing plaintext goes to ``SSLObject.write`` ``WRITE_SLICE``
+bytes at a time, with the ciphertext taken out in between.
 
 ``SSLWantReadError`` only means "feed me more ciphertext"; with memory BIOs
 ``SSLWantWriteError`` cannot happen, because the outgoing BIO grows without
@@ -90,7 +101,11 @@ when ``ragged_eof=True``) or with an exception; it is reported after every
 byte decrypted before it, and again on every later call.  ``ssl.SSLError``
 subclasses raised by OpenSSL pass through unchanged.  A record header that
 cannot be valid raises ``TLSRecordError`` once the records in front of it are
-delivered.  A FIN without close_notify raises ``TLSTruncatedError`` (unless
+delivered, however the reads cut it: the scanner keeps the start of a header
+until its end arrives, and OpenSSL never gets an invalid header whole (only
+the start that came with an earlier read is in the BIO; the engine counts
+what went into the BIO itself, since the scanner's ``fed`` then goes back).
+A FIN without close_notify raises ``TLSTruncatedError`` (unless
 ``ragged_eof``); a FIN inside a record always does, because bytes were lost.
 Nothing after close_notify is returned.
 
@@ -133,6 +148,17 @@ _EMPTY: Final = memoryview(b"")
 #: MAX_FRAGMENT plaintext plus the overhead of its records.
 LEND_PIECE: Final = 32768
 _LEND_LOW: Final = MAX_FRAGMENT + 4096
+
+#: The write side's bound, the mirror of LEND_PIECE: the outgoing
+#: ``MemoryBIO`` also keeps the largest size it ever grew to (10 MiB after
+#: one 8 MiB write), so plaintext goes to ``SSLObject.write`` at most
+#: WRITE_SLICE bytes (four full records) at a time, and the ciphertext is
+#: taken out of the BIO whenever it holds _DRAIN_AT bytes or more.  The BIO
+#: then never holds more than _DRAIN_AT plus one slice's ciphertext (under
+#: 130 KiB; OpenSSL rounds its allocation up by a third).  The pieces are
+#: handed out as they are, never joined (see data_to_send_many).
+WRITE_SLICE: Final = 4 * MAX_FRAGMENT
+_DRAIN_AT: Final = 65536
 
 
 # ---------------------------------------------------------------------------
@@ -289,6 +315,7 @@ class TLSEngine:
         "_lent",
         "_lent_pos",
         "_shutdown_after_writes",
+        "_sealed",
         "read_calls",
         "chunks_returned",
         "want_read_errors",
@@ -336,13 +363,17 @@ class TLSEngine:
         self._leftover = False  # OpenSSL may hold decrypted bytes
         self._held: deque[memoryview] = deque()  # drained at shutdown
         self._blocked: deque[bytes] = deque()  # writes waiting for a handshake
-        # Stream offset up to which ciphertext is in the incoming BIO (the
-        # scanner may have parsed further: see lend_data), and the lent
-        # ciphertext not copied into the BIO yet.
+        # Stream offset up to which ciphertext is in the incoming BIO,
+        # counted from what went in (the scanner may have parsed further, see
+        # lend_data, or, after an invalid header, accepted less: the start
+        # of a header cut by a read went in before its end showed it bad),
+        # and the lent ciphertext not copied into the BIO yet.
         self._avail = 0
         self._lent: memoryview | None = None
         self._lent_pos = 0
         self._shutdown_after_writes = False
+        # Ciphertext already taken out of the outgoing BIO (see WRITE_SLICE).
+        self._sealed: list[bytes] = []
         # Counters for tests and benchmarks.
         self.read_calls = 0  # SSLObject.read calls
         self.chunks_returned = 0  # non-empty chunks from read_chunk()
@@ -364,7 +395,10 @@ class TLSEngine:
     @property
     def buffered_ciphertext(self) -> int:
         """Incoming ciphertext bytes that OpenSSL has not consumed yet."""
-        return self._incoming.pending + self._scanner.fed - self._avail
+        lent = self._lent
+        if lent is None:
+            return self._incoming.pending
+        return self._incoming.pending + len(lent) - self._lent_pos
 
     @property
     def eof_received(self) -> bool:
@@ -394,7 +428,7 @@ class TLSEngine:
         view = self._accept(data)
         if view is not None:
             self._incoming.write(view)
-            self._avail = self._scanner.fed
+            self._avail += len(view)
 
     def lend_data(self, data: memoryview) -> None:
         """Take ciphertext like :meth:`receive_data`, but borrow `data`: it
@@ -432,7 +466,9 @@ class TLSEngine:
         try:
             scanner.feed(view)
         except TLSRecordError:
-            return view[: scanner.fed - before]
+            # Only the bytes in front of the bad header go in.  If its start
+            # came with an earlier read (already in the BIO), none of these.
+            return view[: max(scanner.fed - before, 0)]
         return view
 
     def release_lent(self) -> None:
@@ -441,7 +477,7 @@ class TLSEngine:
         if lent is not None:
             self._lent = None
             self._incoming.write(lent[self._lent_pos :])
-            self._avail = self._scanner.fed
+            self._avail += len(lent) - self._lent_pos
 
     def _top_up(self) -> None:
         """Move the next piece of lent data into the incoming BIO."""
@@ -452,7 +488,7 @@ class TLSEngine:
         if end >= len(lent):
             self._lent = None
             self._incoming.write(lent[pos:])
-            self._avail = self._scanner.fed
+            self._avail += len(lent) - pos
         else:
             self._lent_pos = end
             self._incoming.write(lent[pos:end])
@@ -476,7 +512,12 @@ class TLSEngine:
             if state is _BROKEN and self._error is not None:
                 raise self._error
             return True
-        if self._ssl_io(_Op.HANDSHAKE) is _AGAIN:
+        while self._ssl_io(_Op.HANDSHAKE) is _AGAIN:
+            if self._lent is not None:
+                # Lent input goes into the BIO by pieces here too: the read
+                # that completes the handshake may carry a burst of data.
+                self._top_up()
+                continue
             # OpenSSL wants more; has everything that arrived been used up?
             scanner = self._scanner
             if not scanner.has_complete_record(
@@ -640,18 +681,16 @@ class TLSEngine:
     # -- writing -------------------------------------------------------------
 
     def write(self, data: Buffer) -> None:
-        """Encrypt `data` (one ``SSLObject.write``, any size)."""
+        """Encrypt `data` (any size; more than ``WRITE_SLICE`` bytes are
+        encrypted a slice at a time, see the constant)."""
         self._check_writable()
-        if self._blocked:
-            self._blocked.append(bytes(data))
-            return
-        self._ssl_io(_Op.WRITE, data)
+        self._write_one(data)
 
     def write_many(self, buffers: Sequence[Buffer]) -> None:
         """Encrypt several buffers with as few ``SSLObject.write`` calls as
         possible: runs of small buffers are joined into pieces of at most
         ``MAX_FRAGMENT`` bytes; a buffer of that size or more is written on
-        its own, without a copy."""
+        its own, without a copy (sliced like :meth:`write`)."""
         self._check_writable()
         run: list[Buffer] = []
         run_size = 0
@@ -677,10 +716,34 @@ class TLSEngine:
             write(run[0] if len(run) == 1 else b"".join(run))
 
     def _write_one(self, data: Buffer) -> None:
+        size = data.nbytes if isinstance(data, memoryview) else len(data)
+        if size > WRITE_SLICE:
+            self._write_sliced(data)
+            return
         if self._blocked:
             self._blocked.append(bytes(data))
         else:
             self._ssl_io(_Op.WRITE, data)
+        if self._outgoing.pending >= _DRAIN_AT:
+            self._sealed.append(self._outgoing.read())
+
+    def _write_sliced(self, data: Buffer) -> None:
+        """Encrypt a large buffer ``WRITE_SLICE`` bytes at a time, taking the
+        ciphertext out of the BIO in between (slices of a memoryview: no
+        copy, except for slices that have to wait for a handshake)."""
+        view = memoryview(data)
+        if view.itemsize != 1 or view.ndim != 1:
+            view = view.cast("B")
+        outgoing = self._outgoing
+        sealed = self._sealed
+        for start in range(0, len(view), WRITE_SLICE):
+            piece = view[start : start + WRITE_SLICE]
+            if self._blocked:
+                self._blocked.append(bytes(piece))
+            else:
+                self._ssl_io(_Op.WRITE, piece)
+            if outgoing.pending >= _DRAIN_AT:
+                sealed.append(outgoing.read())
 
     def _check_writable(self) -> None:
         state = self._state
@@ -692,17 +755,42 @@ class TLSEngine:
 
     def _retry_blocked_writes(self) -> None:
         blocked = self._blocked
+        outgoing = self._outgoing
         while blocked and self._state is not _BROKEN:
             if self._ssl_io(_Op.WRITE, blocked[0]) is _AGAIN:
                 return
             blocked.popleft()
+            if outgoing.pending >= _DRAIN_AT:
+                self._sealed.append(outgoing.read())
         if self._shutdown_after_writes and not blocked:
             self._shutdown_after_writes = False
             self._send_close_notify()
 
     def data_to_send(self) -> bytes:
-        """Ciphertext waiting to be sent (empty bytes if none)."""
-        return self._outgoing.read()
+        """Ciphertext waiting to be sent (empty bytes if none), as one
+        ``bytes``: after a large write that joins the pieces, a copy that
+        :meth:`data_to_send_many` avoids."""
+        tail = self._outgoing.read()
+        sealed = self._sealed
+        if not sealed:
+            return tail
+        self._sealed = []
+        sealed.append(tail)
+        return b"".join(sealed)
+
+    def data_to_send_many(self) -> list[bytes]:
+        """Ciphertext waiting to be sent, in order, as the non-empty pieces
+        it was taken out of the BIO in (an empty list if none).  Each piece
+        holds at most ``_DRAIN_AT`` bytes plus one slice's ciphertext; the
+        shell queues them without joining them."""
+        tail = self._outgoing.read()
+        sealed = self._sealed
+        if sealed:
+            self._sealed = []
+            if tail:
+                sealed.append(tail)
+            return sealed
+        return [tail] if tail else []
 
     # -- shutdown ------------------------------------------------------------
 

@@ -497,7 +497,11 @@ class SlabTransport(asyncio.Transport):
         self._tls_plain = []
         self._tls_plain_bytes = 0
         tls.write_many(plain)
-        self._out.append(memoryview(tls.data_to_send()))
+        out = self._out
+        # A large write comes out in several pieces (TLSEngine.WRITE_SLICE);
+        # each is queued as it is, never joined.
+        for piece in tls.data_to_send_many():
+            out.append(memoryview(piece))
         reqs = self._tls_reqs
         if reqs:
             self._tls_reqs = []
@@ -507,9 +511,11 @@ class SlabTransport(asyncio.Transport):
     def _send_tls_output(self) -> None:
         tls = self._proto._tls
         assert tls is not None
-        data = tls.data_to_send()
-        if data:
-            self._out.append(memoryview(data))
+        pieces = tls.data_to_send_many()
+        if pieces:
+            out = self._out
+            for piece in pieces:
+                out.append(memoryview(piece))
             if not self._waiting_writable:
                 self._flush()
 
@@ -738,8 +744,18 @@ class SlabProtocol(asyncio.BufferedProtocol):
         data = self._slab.consume(nbytes)
         tr = self._transport
         if tr is not None and tr._state is _HANDSHAKING:
-            tls.receive_data(data)
-            self._tls_handshake()
+            # Lent too: the read that completes the handshake may carry a
+            # burst of data behind it, which must go into the BIO by pieces
+            # like every other read.  What the handshake leaves of the read
+            # is delivered whole, as below, before the rest is released.
+            tls.lend_data(data)
+            try:
+                self._tls_handshake()
+                state: _State = tr._state  # (changed by the handshake)
+                if state is _State.OPEN and tls.buffered_ciphertext:
+                    self._tls_pump(True)
+            finally:
+                tls.release_lent()
         else:
             # A whole read is delivered even if the app pauses during it (as
             # asyncio does).  A read made while paused is not delivered, and
@@ -876,8 +892,11 @@ class SlabProtocol(asyncio.BufferedProtocol):
             return
         tr._timer = None
         if tr._state is _State.HANDSHAKING:
+            # asyncio's own words (sslproto.py), so that code matching its
+            # message keeps working.
             self._fail(HandshakeTimeoutError(
-                f"TLS handshake did not complete within {self._handshake_timeout} s"
+                f"SSL handshake is taking longer than {self._handshake_timeout}"
+                " seconds: aborting the connection"
             ))
 
     def _tls_pump(
