@@ -400,8 +400,15 @@ class SlabTransport(asyncio.Transport):
         proto = self._proto
         tls = proto._tls
         if tls is not None:
-            self._tls_flush_plain()
-            tls.start_shutdown()
+            try:
+                self._tls_flush_plain()
+                tls.start_shutdown()
+            except Exception as exc:
+                # The engine broke on an earlier write (ssl.SSLError): no
+                # close_notify can follow. close() never raises (asyncio's
+                # does not): the connection ends with that error instead.
+                self._abort(exc)
+                return
             self._send_tls_output()
             timeout = proto._shutdown_timeout
             self._timer = self._loop.call_later(timeout, self._shutdown_timed_out)
@@ -410,6 +417,10 @@ class SlabTransport(asyncio.Transport):
                 if self._raw_paused:
                     self._raw_paused = False
                     self._raw.resume_reading()
+            # What arrived while reading was paused (it may hold the peer's
+            # close_notify), and plaintext the shutdown took out of OpenSSL,
+            # is read now: nothing new may ever arrive to start the pump.
+            self._loop.call_soon(proto._tls_pump)
             return
         if not self._raw_paused and not proto._raw_eof:
             self._pause_raw()

@@ -439,3 +439,98 @@ async def test_app_exception_reaches_the_exception_handler(
     else:
         assert isinstance(exc, Boom), repr(exc)
     assert [type(e) for e in handler.exceptions()] == [Boom], handler.contexts
+
+
+# ---------------------------------------------------------------- item 18
+
+
+@pytest.mark.asyncio
+async def test_close_while_paused_reads_what_arrived(
+    listener: socket.socket, server_cert: Any, tls_ca: Any
+) -> None:
+    # Reading is paused; data and the peer's close_notify arrive and wait in
+    # the engine. close() must read them: the peer then sends nothing more,
+    # and waiting for a read that never comes ended in ShutdownTimeoutError
+    # after 30 s.
+    app = App()
+    ready = asyncio.Event()
+
+    async def peer() -> None:
+        tls = RawTLS(
+            await accept(listener), server_ctx(server_cert, ssl.TLSVersion.TLSv1_2),
+            server_side=True,
+        )
+        await tls.handshake()
+        await ready.wait()
+        await tls.send(tls.seal(b"y" * 300) + tls.close_notify())
+        await tls.linger(10)  # until we close
+
+    task = asyncio.create_task(peer())
+    loop = asyncio.get_running_loop()
+    await loop.create_connection(
+        lambda: slabnet.SlabProtocol(app, ssl=client_ctx(tls_ca), server_hostname="localhost"),
+        "127.0.0.1", listener.getsockname()[1],
+    )
+    await asyncio.wait_for(app.made, WAKE)
+    app.transport.pause_reading()
+    ready.set()
+    engine = app.transport._proto._tls
+    async with asyncio.timeout(WAKE):
+        while not engine.buffered_ciphertext:
+            await asyncio.sleep(0.005)
+    assert not app.chunks
+    app.transport.close()
+    exc = await asyncio.wait_for(app.lost, WAKE)
+    assert exc is None
+    assert b"".join(app.chunks) == b"y" * 300
+    await asyncio.wait_for(task, WAKE)
+
+
+class _FailingWrites(ssl.SSLObject):
+    """A real SSLObject whose writes fail once ``fail`` is set: a write-side
+    ssl.SSLError on a live connection (the engine honours SSLObject
+    subclasses, ``SSLContext.sslobject_class``)."""
+
+    fail = False
+
+    def write(self, data: Any) -> int:
+        if self.fail:
+            raise ssl.SSLError(1, "[SSL] write failed (injected)")
+        return super().write(data)
+
+
+@pytest.mark.asyncio
+async def test_close_after_a_write_side_ssl_error_does_not_raise(
+    listener: socket.socket, server_cert: Any, tls_ca: Any
+) -> None:
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    baseline = open_fds()
+
+    async def peer() -> None:
+        tls = RawTLS(await accept(listener), server_ctx(server_cert), server_side=True)
+        await tls.handshake()
+        await tls.linger()
+
+    task = asyncio.create_task(peer())
+    ctx = client_ctx(tls_ca)
+    ctx.sslobject_class = _FailingWrites
+    try:
+        reader, writer = await slabnet.open_connection(
+            "127.0.0.1", listener.getsockname()[1], ssl=ctx, server_hostname="localhost"
+        )
+        writer.get_extra_info("ssl_object").fail = True
+        writer.write(b"lost")
+        await asyncio.sleep(0.05)  # the end-of-iteration flush fails
+        writer.close()  # raised the stored SSLError
+        try:
+            await asyncio.wait_for(writer.wait_closed(), WAKE)
+        except ssl.SSLError:
+            pass  # the connection ended with the write's error
+        with pytest.raises(ssl.SSLError):
+            await asyncio.wait_for(reader.read(), WAKE)
+        await asyncio.wait_for(task, WAKE + 5)
+    finally:
+        loop.set_exception_handler(None)
+    assert await fds_settle(baseline) <= baseline
