@@ -534,3 +534,66 @@ async def test_close_after_a_write_side_ssl_error_does_not_raise(
     finally:
         loop.set_exception_handler(None)
     assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.asyncio
+async def test_plaintext_openssl_holds_when_paused_is_delivered(
+    listener: socket.socket, server_cert: Any, tls_ca: Any
+) -> None:
+    # Item 18, disproved: can plaintext be stranded when the app pauses while
+    # OpenSSL holds decrypted bytes and the incoming BIO is empty (so
+    # resume_reading() sees no buffered ciphertext and schedules nothing)?
+    # TLS 1.3: the server's session tickets and a full 16 KiB data record
+    # arrive in one read. The engine plans a batch of the ticket records
+    # (they look like data); reading them, OpenSSL goes on into the data
+    # record and keeps what did not fit. The app pauses on that first chunk:
+    # exactly that state. But a read is delivered whole even if the app
+    # pauses during it, so the rest comes in the same callback. (Pumps that
+    # stop on a pause only see the 1 KiB a paused read takes in, which
+    # cannot hold a record too large for the batch.)
+    data = os.urandom(16384)
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+    at_pause: list[tuple[int, int]] = []
+
+    class Pausing(App):
+        def chunk_received(self, chunk: memoryview) -> None:
+            super().chunk_received(chunk)
+            if len(self.chunks) == 1:
+                engine = self.transport._proto._tls
+                at_pause.append((engine.buffered_ciphertext, engine.ssl_object.pending()))
+                self.transport.pause_reading()
+                loop.call_later(0.05, self.transport.resume_reading)
+            if sum(map(len, self.chunks)) >= len(data) and not done.done():
+                done.set_result(None)
+
+    async def peer() -> None:
+        tls = RawTLS(
+            await accept(listener), server_ctx(server_cert, ssl.TLSVersion.TLSv1_3),
+            server_side=True,
+        )
+        while True:
+            try:
+                tls.obj.do_handshake()
+                break
+            except ssl.SSLWantReadError:
+                await tls.flush()
+                await tls._pull()
+        await tls.send(tls.seal(data))  # the tickets, then the data: one send
+        await tls.linger()
+
+    task = asyncio.create_task(peer())
+    app = Pausing()
+    await loop.create_connection(
+        lambda: slabnet.SlabProtocol(app, ssl=client_ctx(tls_ca), server_hostname="localhost"),
+        "127.0.0.1", listener.getsockname()[1],
+    )
+    try:
+        await asyncio.wait_for(done, WAKE)
+        assert b"".join(app.chunks) == data
+        # The case under test was reached: paused with an empty BIO while
+        # OpenSSL held plaintext.
+        assert len(at_pause) == 1 and at_pause[0][0] == 0 and at_pause[0][1] > 0, at_pause
+    finally:
+        app.transport.abort()
+        await asyncio.wait_for(task, WAKE + 5)
