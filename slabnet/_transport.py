@@ -1055,7 +1055,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         tr = self._transport
         if tr is not None:
             tr._abort(exc)
-        elif self._raw is not None:
+        elif self._raw is not None and not self._lost:
             self._raw.abort()
 
     def _app_failed(self, exc: Exception, name: str, final: bool = False) -> None:
