@@ -683,7 +683,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
     Pass it to ``loop.create_connection``/``create_server`` (as a factory
     returning new instances). It hands read-only chunks to ``app`` (a
     ``ChunkProtocol``) and gives ``app`` a ``SlabTransport``. With ``ssl``, it
-    runs slabnet's own TLS over the plain transport.
+    runs slabnet's own TLS over the plain transport; a TCP FIN without
+    close_notify is EOF, as in asyncio, unless ``ssl_ragged_eof=False``
+    (then ``TLSTruncatedError``, after every byte).
     """
 
     def __init__(
@@ -1038,9 +1040,10 @@ class SlabProtocol(asyncio.BufferedProtocol):
         failure to set the connection up (``setup``: the message) that
         neither would see -- a server's incoming connection -- goes to the
         loop's exception handler. (A handshake the peer fails is not
-        reported there: asyncio does not either.) Then the loop's transport
-        is aborted: the socket closes at once and nothing more is read, so
-        nothing is buffered or delivered after the failure.
+        reported there: asyncio reports those only in debug mode.) Then
+        the loop's transport is aborted: the socket closes at once and
+        nothing more is read, so nothing is buffered or delivered after
+        the failure.
         """
         self._tls_closed = True
         waiter = self._waiter
