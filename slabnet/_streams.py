@@ -857,15 +857,18 @@ async def open_connection(
     server_hostname: str | None = None,
     ssl_handshake_timeout: float | None = None,
     ssl_shutdown_timeout: float | None = None,
-    ssl_ragged_eof: bool = False,
+    ssl_ragged_eof: bool = True,
     ssl_session: _ssl.SSLSession | None = None,
     **kwds: Any,
 ) -> tuple[StreamReader, StreamWriter]:
     """Like ``asyncio.open_connection``; TLS runs through slabnet's engine.
 
-    Extra keywords: ``ssl_ragged_eof`` accepts EOF without close_notify;
-    ``ssl_session`` resumes a session (``ssl_object.session`` of an earlier
-    connection). The rest go to ``loop.create_connection``.
+    Extra keywords: ``ssl_ragged_eof`` (default True, as asyncio) accepts a
+    TCP FIN without close_notify as EOF, after every byte before it; False
+    raises ``TLSTruncatedError`` there instead (after every byte, and after
+    what we queued was sent). ``ssl_session`` resumes a session
+    (``ssl_object.session`` of an earlier connection). The rest go to
+    ``loop.create_connection``.
     """
     loop = asyncio.get_running_loop()
     return await _connect(
@@ -882,7 +885,7 @@ async def open_unix_connection(
     server_hostname: str | None = None,
     ssl_handshake_timeout: float | None = None,
     ssl_shutdown_timeout: float | None = None,
-    ssl_ragged_eof: bool = False,
+    ssl_ragged_eof: bool = True,
     ssl_session: _ssl.SSLSession | None = None,
     **kwds: Any,
 ) -> tuple[StreamReader, StreamWriter]:
@@ -900,6 +903,7 @@ def _server_factory(
     ssl: _ssl.SSLContext | bool | None,
     ssl_handshake_timeout: float | None,
     ssl_shutdown_timeout: float | None,
+    ssl_ragged_eof: bool,
 ) -> Callable[[], SlabProtocol]:
     loop = asyncio.get_running_loop()
     ctx, _ = _ssl_args(ssl, True, None, None, ssl_handshake_timeout, ssl_shutdown_timeout)
@@ -911,6 +915,7 @@ def _server_factory(
             protocol, loop=loop, ssl=ctx, server_side=True,
             ssl_handshake_timeout=ssl_handshake_timeout,
             ssl_shutdown_timeout=ssl_shutdown_timeout,
+            ssl_ragged_eof=ssl_ragged_eof,
         )
 
     return factory
@@ -925,12 +930,17 @@ async def start_server(
     ssl: _ssl.SSLContext | None = None,
     ssl_handshake_timeout: float | None = None,
     ssl_shutdown_timeout: float | None = None,
+    ssl_ragged_eof: bool = True,
     **kwds: Any,
 ) -> asyncio.Server:
-    """Like ``asyncio.start_server``; returns the loop's ``Server``."""
+    """Like ``asyncio.start_server``; returns the loop's ``Server``.
+
+    ``ssl_ragged_eof`` as for ``open_connection``.
+    """
     loop = asyncio.get_running_loop()
     factory = _server_factory(
-        client_connected_cb, limit, ssl, ssl_handshake_timeout, ssl_shutdown_timeout
+        client_connected_cb, limit, ssl, ssl_handshake_timeout, ssl_shutdown_timeout,
+        ssl_ragged_eof,
     )
     return await loop.create_server(factory, host, port, **kwds)  # type: ignore[arg-type]
 
@@ -943,12 +953,14 @@ async def start_unix_server(
     ssl: _ssl.SSLContext | None = None,
     ssl_handshake_timeout: float | None = None,
     ssl_shutdown_timeout: float | None = None,
+    ssl_ragged_eof: bool = True,
     **kwds: Any,
 ) -> asyncio.Server:
     """Like ``asyncio.start_unix_server``."""
     loop = asyncio.get_running_loop()
     factory = _server_factory(
-        client_connected_cb, limit, ssl, ssl_handshake_timeout, ssl_shutdown_timeout
+        client_connected_cb, limit, ssl, ssl_handshake_timeout, ssl_shutdown_timeout,
+        ssl_ragged_eof,
     )
     return await loop.create_unix_server(factory, path, **kwds)
 

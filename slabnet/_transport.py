@@ -48,7 +48,12 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from ._errors import HandshakeTimeoutError, LocalAbortError, ShutdownTimeoutError
+from ._errors import (
+    HandshakeTimeoutError,
+    LocalAbortError,
+    ShutdownTimeoutError,
+    TLSTruncatedError,
+)
 from ._pool import BufferPool
 from ._slab import ReadSlab
 from ._write import OutQueue, WriteRequest
@@ -395,8 +400,15 @@ class SlabTransport(asyncio.Transport):
         proto = self._proto
         tls = proto._tls
         if tls is not None:
-            self._tls_flush_plain()
-            tls.start_shutdown()
+            try:
+                self._tls_flush_plain()
+                tls.start_shutdown()
+            except Exception as exc:
+                # The engine broke on an earlier write (ssl.SSLError): no
+                # close_notify can follow. close() never raises (asyncio's
+                # does not): the connection ends with that error instead.
+                self._abort(exc)
+                return
             self._send_tls_output()
             timeout = proto._shutdown_timeout
             self._timer = self._loop.call_later(timeout, self._shutdown_timed_out)
@@ -405,6 +417,10 @@ class SlabTransport(asyncio.Transport):
                 if self._raw_paused:
                     self._raw_paused = False
                     self._raw.resume_reading()
+            # What arrived while reading was paused (it may hold the peer's
+            # close_notify), and plaintext the shutdown took out of OpenSSL,
+            # is read now: nothing new may ever arrive to start the pump.
+            self._loop.call_soon(proto._tls_pump)
             return
         if not self._raw_paused and not proto._raw_eof:
             self._pause_raw()
@@ -430,6 +446,20 @@ class SlabTransport(asyncio.Transport):
         if self._state is not _State.CLOSING:
             self._set_state(_State.CLOSING)
         self._raw.abort()
+
+    def _close_after(self, exc: BaseException) -> None:
+        """TLS: the peer's FIN came without close_notify and the engine
+        refuses that (strict). The read side is over, ours is not: send what
+        is queued (the app wrote it before the FIN arrived), then close, and
+        report ``exc`` in connection_lost. Bounded by the shutdown timeout,
+        like a graceful close."""
+        if self._error is None:
+            self._error = exc
+        self._set_state(_State.CLOSING)
+        self._timer = self._loop.call_later(
+            self._proto._shutdown_timeout, self._shutdown_timed_out
+        )
+        self._maybe_close_raw()
 
     def _shutdown_timed_out(self) -> None:
         self._timer = None
@@ -633,7 +663,14 @@ _TLS_EXTRA: Final = frozenset(
 
 
 def _dup(raw_sock: Any) -> int:
-    return os.dup(raw_sock.fileno())
+    try:
+        return os.dup(raw_sock.fileno())
+    except OSError as exc:
+        # EMFILE with one descriptor left: asyncio would have managed.
+        raise OSError(
+            exc.errno, f"{exc.strerror} (slabnet sends on a duplicate of the"
+            " socket's descriptor: each connection needs two)"
+        ) from exc
 
 
 def _as_bytes_view(data: Any) -> memoryview:
@@ -652,7 +689,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
     Pass it to ``loop.create_connection``/``create_server`` (as a factory
     returning new instances). It hands read-only chunks to ``app`` (a
     ``ChunkProtocol``) and gives ``app`` a ``SlabTransport``. With ``ssl``, it
-    runs slabnet's own TLS over the plain transport.
+    runs slabnet's own TLS over the plain transport; a TCP FIN without
+    close_notify is EOF, as in asyncio, unless ``ssl_ragged_eof=False``
+    (then ``TLSTruncatedError``, after every byte).
     """
 
     def __init__(
@@ -665,7 +704,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         server_hostname: str | None = None,
         ssl_handshake_timeout: float | None = None,
         ssl_shutdown_timeout: float | None = None,
-        ssl_ragged_eof: bool = False,
+        ssl_ragged_eof: bool = True,
         ssl_session: Any = None,
         handshake_waiter: asyncio.Future[None] | None = None,
         slab: ReadSlab | None = None,
@@ -688,11 +727,13 @@ class SlabProtocol(asyncio.BufferedProtocol):
             SSL_SHUTDOWN_TIMEOUT if ssl_shutdown_timeout is None else ssl_shutdown_timeout
         )
         self._waiter = handshake_waiter
+        self._raw: asyncio.Transport | None = None  # the loop's transport
         self._transport: SlabTransport | None = None
         self._raw_eof = False
-        self._tls_closed = False  # the peer's close_notify (or EOF) is in
+        self._tls_closed = False  # the read side is over (close_notify, EOF, failure)
         self._lost = False
         self._upgrading = False
+        self._app_made = False  # the app's connection_made was called
 
     def _set_app(self, app: asyncio.BaseProtocol) -> None:
         deliver = getattr(app, "chunk_received", None)
@@ -706,22 +747,40 @@ class SlabProtocol(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's transports implement the interface without subclassing it.
         transport = cast(asyncio.Transport, transport)
-        if self._ssl_args is not None:
-            from ._tls import TLSEngine
+        self._raw = transport
+        try:
+            if self._ssl_args is not None:
+                from ._tls import TLSEngine
 
-            ctx, server_side, hostname, ragged, session = self._ssl_args
-            self._tls = TLSEngine(
-                ctx, server_side=server_side, server_hostname=hostname,
-                session=session, ragged_eof=ragged,
-            )
-        self._transport = tr = SlabTransport(self, transport)
+                ctx, server_side, hostname, ragged, session = self._ssl_args
+                # Raises for a bad server_hostname (UnicodeError, ValueError)
+                # or a client context on the server side (ssl.SSLError).
+                self._tls = TLSEngine(
+                    ctx, server_side=server_side, server_hostname=hostname,
+                    session=session, ragged_eof=ragged,
+                )
+            self._transport = tr = SlabTransport(self, transport)
+        except Exception as exc:
+            # Nothing may be read as plaintext on a connection meant for TLS.
+            self._tls = None
+            self._fail(exc, "slabnet: could not set up the connection")
+            return
         if self._tls is None:
-            self._app.connection_made(tr)
-            if self._waiter is not None and not self._waiter.done():
+            if self._tell_app_made(tr) and self._waiter is not None and not self._waiter.done():
                 self._waiter.set_result(None)
             return
         tr._timer = self._loop.call_later(self._handshake_timeout, self._handshake_timed_out)
         self._tls_handshake()
+
+    def _tell_app_made(self, tr: SlabTransport) -> bool:
+        """Call the app's connection_made; False (connection failed) if it raised."""
+        self._app_made = True
+        try:
+            self._app.connection_made(tr)
+        except Exception as exc:
+            self._app_failed(exc, "connection_made")
+            return False
+        return True
 
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._tls is not None:
@@ -778,11 +837,18 @@ class SlabProtocol(asyncio.BufferedProtocol):
             if not keep_open:
                 tr.close()
             return True
-        tls.receive_eof()
         if tr._state is _State.HANDSHAKING:
+            tls.receive_eof()
             self._tls_handshake()
-        else:
-            self._tls_pump(force=True)
+            return True
+        # The peer's FIN ends its direction only: ours stays open until our
+        # close. Encrypt what the app wrote this iteration now, while the
+        # engine still takes plaintext (a FIN without close_notify breaks
+        # it when strict), so all of it is sent before the socket closes.
+        if tr._tls_plain and tr._state is _State.OPEN:
+            tr._flush()
+        tls.receive_eof()
+        self._tls_pump(force=True)
         return True
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -791,6 +857,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._lost = True
         tr = self._transport
         if tr is None:
+            waiter = self._waiter  # (set up failed: it has the error already)
+            if waiter is not None and not waiter.done():
+                waiter.set_exception(exc or ConnectionResetError("connection lost"))
             return
         if self._tls is not None and tr._state is not _State.HANDSHAKING and not self._tls_closed:
             # Deliver every byte that was decrypted before the connection went.
@@ -802,12 +871,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
             waiter.set_exception(err or ConnectionResetError(
                 "connection lost during the TLS handshake" if handshaking else "connection lost"
             ))
-        if handshaking:
-            return  # the app never saw connection_made
-        try:
+        self._transport = None
+        if self._app_made:  # (a STARTTLS handshake too: the app has its transport)
             self._app.connection_lost(err)
-        finally:
-            self._transport = None
 
     def pause_writing(self) -> None:  # the loop transport never writes
         pass
@@ -825,7 +891,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         server_hostname: str | None = None,
         ssl_handshake_timeout: float | None = None,
         ssl_shutdown_timeout: float | None = None,
-        ssl_ragged_eof: bool = False,
+        ssl_ragged_eof: bool = True,
         ssl_session: Any = None,
     ) -> None:
         """Upgrade this plain connection to TLS (STARTTLS) and wait for it.
@@ -878,8 +944,8 @@ class SlabProtocol(asyncio.BufferedProtocol):
         tr._set_state(_State.OPEN)
         if self._upgrading:
             self._upgrading = False  # STARTTLS: the app has its transport
-        else:
-            self._app.connection_made(tr)
+        elif not self._tell_app_made(tr):
+            return
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
         if tr._tls_plain:
@@ -906,6 +972,12 @@ class SlabProtocol(asyncio.BufferedProtocol):
 
         ``data`` is new ciphertext, lent: the engine may keep a reference to
         it while it decrypts and must have copied it all before we return.
+        ``final``: from ``connection_lost``; deliver what is left, report
+        nothing but through ``tr._error``.
+
+        Errors from the engine and from the app are kept apart: the engine's
+        end the read side (after every byte before them), the app's are its
+        bugs, reported to the loop's exception handler whatever the state.
         """
         tls = self._tls
         tr = self._transport
@@ -918,6 +990,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         deliver = self._deliver
         if data is not None:
             tls.lend_data(data)
+        app_error: Exception | None = None
         try:
             while force or not tr._reading_paused:
                 chunk = tls.read_chunk()
@@ -926,7 +999,11 @@ class SlabProtocol(asyncio.BufferedProtocol):
                 if not chunk:
                     self._tls_closed = True
                     break
-                deliver(chunk)
+                try:
+                    deliver(chunk)
+                except Exception as exc:
+                    app_error = exc
+                    break
         except Exception as exc:
             if final:
                 tr._error = tr._error or exc
@@ -934,6 +1011,12 @@ class SlabProtocol(asyncio.BufferedProtocol):
                 # We asked to close; the peer went without its close_notify.
                 self._tls_closed = True
                 tr._maybe_close_raw()
+            elif isinstance(exc, TLSTruncatedError) and self._raw_eof:
+                # Strict: the peer's FIN came without close_notify. Only its
+                # direction is over: what we queued still goes out, then the
+                # app learns of the truncation in connection_lost.
+                self._tls_closed = True
+                tr._close_after(exc)
             else:
                 tr._send_tls_output()
                 self._fail(exc)
@@ -941,6 +1024,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
         finally:
             if data is not None:
                 tls.release_lent()
+        if app_error is not None:
+            self._app_failed(app_error, "chunk_received", final)
+            return
         if final:
             return
         tr._send_tls_output()
@@ -953,17 +1039,59 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if tr._state is _State.CLOSING:
             tr._maybe_close_raw()
             return
-        keep_open = self._app.eof_received()
+        try:
+            keep_open = self._app.eof_received()
+        except Exception as exc:
+            self._app_failed(exc, "eof_received")
+            return
         if keep_open:
             log.debug("%r: eof_received() returned True, ignored over TLS", self._app)
         tr.close()
 
-    def _fail(self, exc: BaseException) -> None:
-        tr = self._transport
-        if tr is None:
-            return
+    # ------------------------------------------------ failure
+
+    def _fail(self, exc: BaseException, setup: str | None = None) -> None:
+        """The one failure path: end the connection with ``exc``.
+
+        ``exc`` goes to whoever waits for this connection: the waiter of
+        ``open_connection``/``start_tls`` if it still waits, and the app's
+        ``connection_lost`` if the app has seen ``connection_made``. A local
+        failure to set the connection up (``setup``: the message) that
+        neither would see -- a server's incoming connection -- goes to the
+        loop's exception handler. (A handshake the peer fails is not
+        reported there: asyncio reports those only in debug mode.) Then
+        the loop's transport is aborted: the socket closes at once and
+        nothing more is read, so nothing is buffered or delivered after
+        the failure.
+        """
+        self._tls_closed = True
         waiter = self._waiter
+        told = self._app_made
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
-        tr._abort(exc)
+            told = True
+        if setup is not None and not told:
+            self._loop.call_exception_handler({
+                "message": setup, "exception": exc, "protocol": self, "transport": self._raw,
+            })
+        tr = self._transport
+        if tr is not None:
+            tr._abort(exc)
+        elif self._raw is not None and not self._lost:
+            self._raw.abort()
 
+    def _app_failed(self, exc: Exception, name: str, final: bool = False) -> None:
+        """The app's callback ``name`` raised: an application bug. Report it
+        to the loop's exception handler (as the loops do for a protocol's
+        ``data_received``) and end the connection with it."""
+        self._loop.call_exception_handler({
+            "message": f"slabnet: protocol.{name}() failed",
+            "exception": exc, "protocol": self._app, "transport": self._transport,
+        })
+        if final:  # connection_lost is running: it reports tr._error
+            self._tls_closed = True
+            tr = self._transport
+            if tr is not None:
+                tr._error = tr._error or exc
+            return
+        self._fail(exc)

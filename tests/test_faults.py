@@ -318,7 +318,8 @@ async def test_bad_input_to_a_server_after_data(
         result.set_result(await read_all(reader))
         writer.close()
 
-    server = await slabnet.start_server(handle, "127.0.0.1", 0, ssl=server_ctx(server_cert, version))
+    server = await slabnet.start_server(handle, "127.0.0.1", 0, ssl=server_ctx(server_cert, version),
+                                        ssl_ragged_eof=False)
     tls = await _raw_client(server.sockets[0].getsockname()[1], tls_ca, version)
     wire = tls.seal(*(good[i : i + 5000] for i in range(0, len(good), 5000)))
     if fault == "corrupt_mac":
