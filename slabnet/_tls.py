@@ -745,6 +745,13 @@ class TLSEngine:
             if outgoing.pending >= _DRAIN_AT:
                 sealed.append(outgoing.read())
 
+    @property
+    def held_plaintext(self) -> int:
+        """Bytes of plaintext written but not encrypted yet: during a TLS 1.2
+        renegotiation OpenSSL encrypts no application data, and the engine
+        keeps it until the new handshake is done (0 the rest of the time)."""
+        return sum(map(len, self._blocked)) if self._blocked else 0
+
     def _check_writable(self) -> None:
         state = self._state
         if state is _OPEN and not self._shutdown_after_writes:

@@ -195,6 +195,9 @@ class SlabTransport(asyncio.Transport):
         self._tls_plain: list[memoryview] = []  # plaintext for the next flush
         self._tls_plain_bytes = 0
         self._tls_reqs: list[WriteRequest] = []  # waiting for encryption
+        # Requests whose plaintext the engine holds until a renegotiation
+        # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
+        self._tls_held: list[WriteRequest] = []
         self._eof_requested = False
         self._eof_sent = False
         self._error: BaseException | None = None
@@ -535,19 +538,35 @@ class SlabTransport(asyncio.Transport):
         reqs = self._tls_reqs
         if reqs:
             self._tls_reqs = []
-            for req in reqs:
-                self._out.track(req)
+            self._track_encrypted(reqs)
+
+    def _track_encrypted(self, reqs: list[WriteRequest]) -> None:
+        """Make ``reqs`` complete once the ciphertext queued so far is sent,
+        unless the engine still holds plaintext (a TLS 1.2 renegotiation is
+        in progress): then theirs is among it, or behind it, and they wait
+        for ``_send_tls_output`` after the read that ends the renegotiation."""
+        tls = self._proto._tls
+        assert tls is not None
+        if tls.held_plaintext:
+            self._tls_held.extend(reqs)
+            return
+        if self._tls_held:
+            reqs = self._tls_held + reqs
+            self._tls_held = []
+        for req in reqs:
+            self._out.track(req)
 
     def _send_tls_output(self) -> None:
         tls = self._proto._tls
         assert tls is not None
         pieces = tls.data_to_send_many()
-        if pieces:
-            out = self._out
-            for piece in pieces:
-                out.append(memoryview(piece))
-            if not self._waiting_writable:
-                self._flush()
+        out = self._out
+        for piece in pieces:
+            out.append(memoryview(piece))
+        if self._tls_held and not tls.held_plaintext:
+            self._track_encrypted([])
+        if pieces and not self._waiting_writable:
+            self._flush()
 
     def _flush_soon(self) -> None:
         self._flush_scheduled = False
@@ -629,9 +648,10 @@ class SlabTransport(asyncio.Transport):
 
     def _fail_writes(self, exc: BaseException) -> None:
         self._out.fail(exc)
-        for req in self._tls_reqs:
+        for req in self._tls_held + self._tls_reqs:
             req._finish(exc)
         self._tls_reqs = []
+        self._tls_held = []
         self._tls_plain = []
         self._tls_plain_bytes = 0
 
