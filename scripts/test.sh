@@ -12,7 +12,8 @@ echo "== pytest (Python $(.venv/bin/python -c 'import sys; print(sys.version.spl
 .venv/bin/python -m pytest "$@"
 
 other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py
-             tests/test_records.py tests/test_tls_engine.py)
+             tests/test_records.py tests/test_tls_engine.py
+             tests/test_writer_hardening.py)
 [ -f tests/test_soak.py ] && other_tests+=(tests/test_soak.py)
 for minor in 3.12 3.13; do
     py=""
