@@ -85,23 +85,25 @@ async def connect_small(port: int, **kw: Any) -> tuple[slabnet.StreamReader, sla
 @pytest.mark.asyncio
 async def test_server_writer_dropped_without_close_is_closed_with_a_warning() -> None:
     baseline = open_fds()
-    handled = asyncio.Event()
-    warned = pytest.warns(ResourceWarning, match=r"unclosed <StreamWriter")
+    transports: list[slabnet.SlabTransport] = []  # (a transport never holds its writer)
 
     async def forgetful(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
-        writer.write(b"hello")
-        handled.set()  # and return without close()
+        transports.append(writer.transport)
+        writer.write(b"hello")  # and return without close()
 
-    with warned:
-        server = await slabnet.start_server(forgetful, "127.0.0.1", 0)
-        port = server.sockets[0].getsockname()[1]
-        sock = socket.create_connection(("127.0.0.1", port))
-        sock.setblocking(False)
-        # The client sees the bytes, then EOF: the server closed its side.
-        assert await sock_read_to_end(sock) == b"hello"
-        assert handled.is_set()
-    sock.close()
-    server.close()
+    server = await slabnet.start_server(forgetful, "127.0.0.1", 0)
+    sock = socket.create_connection(server.sockets[0].getsockname())
+    sock.setblocking(False)
+    try:
+        with pytest.warns(ResourceWarning, match=r"unclosed <StreamWriter"):
+            # The client sees the bytes, then EOF: the server closed its side.
+            assert await sock_read_to_end(sock) == b"hello"
+        assert transports and transports[0].is_closing()
+    finally:
+        sock.close()
+        server.close()
+        for transport in transports:
+            transport.close()  # (if the test failed)
     # 3.12+: wait_closed() waits for every connection of the server.
     await asyncio.wait_for(server.wait_closed(), WAKE)
     assert await fds_settle(baseline) <= baseline
@@ -123,16 +125,19 @@ async def test_client_writer_dropped_without_close_is_freed_closed_and_warned(
     writer.write(b"ping")
     assert await asyncio.wait_for(reader.readexactly(4), WAKE) == b"ping"
     ref = weakref.ref(writer)
+    transport = writer.transport
     gc.disable()  # no cycle may be what keeps it: freed by its refcount alone
     try:
         with pytest.warns(ResourceWarning, match=r"unclosed <StreamWriter"):
             del writer
         assert ref() is None
+        assert transport.is_closing()
+        # The echo server answers our EOF (or close_notify) by closing.
+        data, exc = await read_to_end(reader)
+        assert data == b"" and exc is None, (data, exc)
     finally:
         gc.enable()
-    # The echo server answers our EOF (or close_notify) by closing.
-    data, exc = await read_to_end(reader)
-    assert data == b"" and exc is None, (data, exc)
+        transport.close()  # (if the test failed: the echo server must stop)
     assert await fds_settle(baseline) <= baseline
 
 
