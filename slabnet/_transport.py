@@ -19,7 +19,9 @@ own duplicate of the socket's file descriptor (the loops refuse
 ``add_writer`` on a descriptor their transport owns, and a duplicate is the
 public way to wait for writability without touching their internals). The
 loop's transport never writes; it still reads, and performs ``write_eof`` and
-the final close, after slabnet's queue is empty.
+the final close, after slabnet's queue is empty. If the loop closes its
+transport first (``Server.close_clients()``), the duplicate still holds the
+connection: the queue goes out on it, then it is closed (``_outlive_raw``).
 
 * A write with nothing queued before it goes straight to ``send``; if the
   kernel takes it all, no object is made and ``write`` returns ``None``.
