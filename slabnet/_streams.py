@@ -53,6 +53,7 @@ import collections
 import re
 import ssl as _ssl
 import sys
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Final, cast
 
@@ -701,6 +702,22 @@ class StreamWriter:
         # Bound once: write() is the hot path.
         self.write = transport.write  # type: ignore[method-assign]
         self.writelines = transport.writelines  # type: ignore[method-assign,assignment]
+
+    def __del__(self, warnings: Any = warnings) -> None:
+        # As asyncio's writer does (3.11.5 on): one dropped without close()
+        # closes its connection, gracefully, and says so. Nothing else keeps
+        # a writer alive -- the protocol holds the reader and the transport,
+        # never the writer -- so a handler that returns without close() ends
+        # its connection (and Server.wait_closed() on 3.12+ returns).
+        transport = getattr(self, "_transport", None)
+        if transport is None or transport.is_closing():
+            return  # (or __init__ failed)
+        if self._loop.is_closed():
+            warnings.warn(f"unclosed {self!r}: loop is closed", ResourceWarning)
+            return
+        message = f"unclosed {self!r}"
+        self.close()
+        warnings.warn(message, ResourceWarning, source=self)
 
     def __repr__(self) -> str:
         info = [self.__class__.__name__, f"transport={self._transport!r}"]

@@ -19,7 +19,9 @@ own duplicate of the socket's file descriptor (the loops refuse
 ``add_writer`` on a descriptor their transport owns, and a duplicate is the
 public way to wait for writability without touching their internals). The
 loop's transport never writes; it still reads, and performs ``write_eof`` and
-the final close, after slabnet's queue is empty.
+the final close, after slabnet's queue is empty. If the loop closes its
+transport first (``Server.close_clients()``), the duplicate still holds the
+connection: the queue goes out on it, then it is closed (``_outlive_raw``).
 
 * A write with nothing queued before it goes straight to ``send``; if the
   kernel takes it all, no object is made and ``write`` returns ``None``.
@@ -55,7 +57,7 @@ from ._errors import (
     TLSTruncatedError,
 )
 from ._pool import BufferPool
-from ._slab import ReadSlab
+from ._slab import ReadSlab, _Slab
 from ._write import OutQueue, WriteRequest
 
 if TYPE_CHECKING:
@@ -87,6 +89,17 @@ SSL_SHUTDOWN_TIMEOUT: Final = 30.0
 _PAUSED_READ: Final = 1024
 
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
+
+#: asyncio's LOG_THRESHOLD_FOR_CONNLOST_WRITES: writes on a closed connection
+#: are dropped silently, then each one from the fifth on logs a warning.
+_DROPPED_WRITES_LOG: Final = 5
+
+#: Buffers nobody can change while their view waits in the queue: ``bytes``,
+#: and the read slab (a region is never rewritten while a view of it lives),
+#: so a chunk read from one connection can be queued on another uncopied.
+#: A read-only view of anything else (a ``bytearray`` behind ``toreadonly()``)
+#: may still change through a writable view or the object: it is copied.
+_IMMUTABLE: Final = frozenset({bytes, _Slab})
 
 
 # ---------------------------------------------------------------- per loop
@@ -201,6 +214,8 @@ class SlabTransport(asyncio.Transport):
         self._eof_requested = False
         self._eof_sent = False
         self._error: BaseException | None = None
+        self._dropped_writes = 0  # writes after close()/abort()/the connection went
+        self._raw_gone = False  # the loop closed its transport with bytes queued
         self._high = DEFAULT_HIGH_WATER
         self._low = DEFAULT_HIGH_WATER // 4
         self._writing_paused = False
@@ -278,7 +293,8 @@ class SlabTransport(asyncio.Transport):
         if not n:
             return None
         if self._state is not _State.OPEN or self._eof_requested or self._sock is None:
-            self._check_writable()
+            if not self._check_writable():
+                return None
         if self._proto._tls is not None:
             return self._tls_write(memoryview(view), n)
         out = self._out
@@ -319,16 +335,13 @@ class SlabTransport(asyncio.Transport):
             out.passed(sent)
             if sent == n:
                 return None
-            rest = view[sent:]
-            out.append(rest if rest.readonly else memoryview(rest.tobytes()))
+            out.append(_keep(view[sent:]))
             req = out.request(n - sent)
             self._wait_writable()
             self._check_pause()
             return req
         # Pooled small writes (or a blocked queue) are ahead of it.
-        if not view.readonly:
-            view = memoryview(view.tobytes())  # the caller may reuse its buffer
-        out.append(view)
+        out.append(_keep(view))  # the caller may reuse its buffer meanwhile
         if not self._waiting_writable:
             self._flush()  # one sendmsg for the pooled writes and this one
             if not out:
@@ -342,7 +355,8 @@ class SlabTransport(asyncio.Transport):
         views = [v for v in map(_as_bytes_view, list_of_data) if v.nbytes]
         if not views:
             return None
-        self._check_writable()
+        if not self._check_writable():
+            return None
         total = sum(v.nbytes for v in views)
         if self._proto._tls is not None:
             req = None
@@ -351,7 +365,7 @@ class SlabTransport(asyncio.Transport):
             return req
         out = self._out
         for v in views:
-            out.append(v if v.readonly else memoryview(v.tobytes()))
+            out.append(_keep(v))
         if not self._waiting_writable:
             self._flush()
             if not out:
@@ -448,6 +462,10 @@ class SlabTransport(asyncio.Transport):
         self._close_sock()
         if self._state is not _State.CLOSING:
             self._set_state(_State.CLOSING)
+        if self._raw_gone:
+            # The loop's transport is closed already: it will not call back.
+            self._loop.call_soon(self._proto.connection_lost, None)
+            return
         self._raw.abort()
 
     def _close_after(self, exc: BaseException) -> None:
@@ -474,6 +492,10 @@ class SlabTransport(asyncio.Transport):
         # CLOSING and nothing left to send: hand the close to the loop.
         if self._out or self._tls_plain:
             return
+        if self._raw_gone:
+            self._close_sock()  # the last descriptor: the kernel closes now
+            self._loop.call_soon(self._proto.connection_lost, None)
+            return
         if self._proto._tls is not None and self._state is _State.CLOSING:
             if not self._proto._tls_closed:
                 return  # waiting for the peer's close_notify
@@ -492,19 +514,28 @@ class SlabTransport(asyncio.Transport):
 
     # ------------------------------------------------ writing: internals
 
-    def _check_writable(self) -> None:
+    def _check_writable(self) -> bool:
+        """False if a write must be dropped; raises after ``write_eof()``.
+
+        As asyncio's transports do, a write after ``close()``, ``abort()`` or
+        the loss of the connection is dropped without an error (``drain()``
+        raises the connection's error instead), and each one from the fifth
+        on logs a warning. (uvloop raises RuntimeError once its handle is
+        closed; slabnet follows the default loop on both loops.)
+        """
         if self._eof_requested:
             raise RuntimeError("Cannot call write() after write_eof()")
-        if self._state is _State.CLOSED or self._sock is None:
-            exc = self._error
-            raise ConnectionResetError("Connection lost") from exc
-        if self._state is _State.CLOSING:
-            raise RuntimeError("Cannot call write() after close()")
+        if self._closing or self._sock is None:
+            self._dropped_writes += 1
+            if self._dropped_writes >= _DROPPED_WRITES_LOG:
+                log.warning("%r: write() on a closed connection: data dropped", self)
+            return False
+        return True
 
     def _tls_write(self, view: memoryview, n: int) -> WriteRequest | None:
-        if not view.readonly:
-            view = memoryview(view.tobytes())  # the caller may reuse its buffer
-        self._tls_plain.append(view)
+        # Encrypted at the end of the iteration: the caller may reuse its
+        # buffer before that.
+        self._tls_plain.append(_keep(view))
         self._tls_plain_bytes += n
         req = None
         if self._waiting_writable or self._state is _State.HANDSHAKING:
@@ -660,6 +691,28 @@ class SlabTransport(asyncio.Transport):
 
     # ------------------------------------------------ from SlabProtocol
 
+    def _outlive_raw(self) -> bool:
+        """The loop closed its transport with our bytes still queued: send them.
+
+        ``Server.close_clients()`` (3.13), or anything else that calls
+        ``close()`` on the loop's transport, ends it at once: that transport
+        never wrote, so it has nothing to flush. Our duplicate descriptor
+        keeps the connection itself open, so what slabnet queued still goes
+        out on it, as asyncio's own transport flushes before it closes; then
+        the duplicate is closed (``_maybe_close_raw``) and the connection is
+        lost for good. True if the loss is deferred until then. Only a
+        graceful close gets here; an abort or a reset drops the queue.
+        """
+        if self._sock is None or self._state is _State.HANDSHAKING:
+            return False
+        self._flush()  # (TLS: encrypts this iteration's plaintext first)
+        if not self._out or self._sock is None:
+            return False
+        self._raw_gone = True
+        if self._state is _State.OPEN:
+            self._set_state(_State.CLOSING)  # later writes are dropped
+        return True
+
     def _connection_lost(self, exc: BaseException | None) -> BaseException | None:
         if self._timer is not None:
             self._timer.cancel()
@@ -691,6 +744,17 @@ def _dup(raw_sock: Any) -> int:
             exc.errno, f"{exc.strerror} (slabnet sends on a duplicate of the"
             " socket's descriptor: each connection needs two)"
         ) from exc
+
+
+def _keep(view: memoryview) -> memoryview:
+    """``view`` if its bytes cannot change while it waits to be sent, else a copy.
+
+    Read-only is not enough: ``memoryview(buf).toreadonly()`` still shows
+    every later change to ``buf``. Only the buffer behind the view tells.
+    """
+    if view.readonly and type(view.obj) in _IMMUTABLE:
+        return view
+    return memoryview(view.tobytes())
 
 
 def _as_bytes_view(data: Any) -> memoryview:
@@ -874,8 +938,10 @@ class SlabProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._lost:
             return
-        self._lost = True
         tr = self._transport
+        if exc is None and tr is not None and tr._outlive_raw():
+            return  # called again once the queue is sent (or dropped)
+        self._lost = True
         if tr is None:
             waiter = self._waiter  # (set up failed: it has the error already)
             if waiter is not None and not waiter.done():
@@ -1003,7 +1069,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         tr = self._transport
         if tls is None:
             return
-        if tr is None or self._tls_closed:
+        if tr is None or self._tls_closed or isinstance(tr._error, LocalAbortError):
             if data is not None:
                 tls.receive_data(data)  # an engine that is done ignores it
             return
@@ -1024,6 +1090,8 @@ class SlabProtocol(asyncio.BufferedProtocol):
                 except Exception as exc:
                     app_error = exc
                     break
+                if isinstance(tr._error, LocalAbortError):
+                    return  # abort() from chunk_received: that was the last
         except Exception as exc:
             if final:
                 tr._error = tr._error or exc

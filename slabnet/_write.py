@@ -38,16 +38,22 @@ class WriteRequest:
     Awaiting it returns once those bytes were handed to the kernel, or raises
     the error that broke the connection first. It exists only for writes that
     did not complete synchronously.
+
+    Each ``await`` waits on a future of its own, made when it starts: an
+    awaiter that is cancelled (say by a ``wait_for`` timeout) cancels only
+    itself, and the bytes stay queued for every other awaiter and later one.
     """
 
-    __slots__ = ("nbytes", "_end", "_exc", "_done", "_waiter")
+    __slots__ = ("nbytes", "_end", "_exc", "_done", "_waiters")
 
     def __init__(self, nbytes: int, end: int) -> None:
         self.nbytes = nbytes
         self._end = end  # stream position the kernel must have taken
         self._exc: BaseException | None = None
         self._done = False
-        self._waiter: Any = None  # an asyncio.Future, made only when awaited
+        # The futures of the awaits in progress: None until the first await
+        # (most requests are never awaited), then a list.
+        self._waiters: list[Any] | None = None
 
     def done(self) -> bool:
         return self._done
@@ -60,20 +66,32 @@ class WriteRequest:
             return
         self._done = True
         self._exc = exc
-        waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            if exc is None:
-                waiter.set_result(None)
-            else:
-                waiter.set_exception(exc)
+        waiters = self._waiters
+        if waiters:
+            self._waiters = None
+            for waiter in waiters:
+                if not waiter.done():
+                    if exc is None:
+                        waiter.set_result(None)
+                    else:
+                        waiter.set_exception(exc)
 
     def __await__(self) -> Generator[Any, None, None]:
         if not self._done:
-            if self._waiter is None:
-                import asyncio  # the shell's loop; this module stays sans-IO
+            import asyncio  # the shell's loop; this module stays sans-IO
 
-                self._waiter = asyncio.get_running_loop().create_future()
-            yield from self._waiter.__await__()
+            waiter = asyncio.get_running_loop().create_future()
+            waiters = self._waiters
+            if waiters is None:
+                waiters = self._waiters = []
+            waiters.append(waiter)
+            try:
+                yield from waiter.__await__()
+            finally:
+                # A cancelled awaiter leaves; repeated timeouts do not pile up.
+                waiters = self._waiters
+                if waiters is not None and waiter in waiters:
+                    waiters.remove(waiter)
         elif self._exc is not None:
             raise self._exc
 

@@ -1,0 +1,559 @@
+"""Writer hardening, on real sockets, on both loops.
+
+A writer dropped without ``close()`` closes its connection and warns; a
+graceful close of the loop's own transport (``Server.close_clients()``) sends
+slabnet's queue first; each ``await`` of a ``WriteRequest`` is cancelled
+alone; ``write()`` on a closed connection is dropped, as asyncio does; an
+``abort()`` from ``chunk_received`` is the last delivery; and bytes queued
+from a read-only view of a mutable buffer are the bytes of ``write()`` time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import socket
+import ssl
+import sys
+import weakref
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+import slabnet
+from conftest import RawTLS, fds_settle, hard_close, open_fds
+
+WAKE = 5.0  # seconds any wait may take before the test fails
+SMALL_BUF = 16 * 1024  # SO_SNDBUF / SO_RCVBUF where a test needs a backlog
+PAYLOAD = 4 * 1024 * 1024  # far more than SMALL_BUF buffers hold
+
+
+def shrink(sock: socket.socket) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUF)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUF)
+
+
+async def read_to_end(reader: slabnet.StreamReader) -> tuple[bytes, BaseException | None]:
+    """Everything until EOF, and the error that ended it instead, if any."""
+    parts = []
+    try:
+        async with asyncio.timeout(WAKE):
+            async for chunk in reader.chunks():
+                parts.append(bytes(chunk))
+    except (OSError, ssl.SSLError) as exc:
+        return b"".join(parts), exc
+    return b"".join(parts), None
+
+
+async def sock_read_to_end(sock: socket.socket) -> bytes:
+    loop = asyncio.get_running_loop()
+    parts = []
+    async with asyncio.timeout(WAKE):
+        while data := await loop.sock_recv(sock, 65536):
+            parts.append(data)
+    return b"".join(parts)
+
+
+@pytest_asyncio.fixture
+async def small_listener() -> AsyncIterator[socket.socket]:
+    """A plain listening socket whose connections have small buffers."""
+    sock = socket.socket()
+    shrink(sock)  # inherited by accepted sockets
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    sock.setblocking(False)
+    yield sock
+    sock.close()
+
+
+async def connect_small(port: int, **kw: Any) -> tuple[slabnet.StreamReader, slabnet.StreamWriter]:
+    """A slabnet client whose socket has small buffers from the start."""
+    sock = socket.socket()
+    shrink(sock)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
+    return await slabnet.open_connection(sock=sock, **kw)
+
+
+# ------------------------------------------------ 9: a dropped writer
+
+
+@pytest.mark.asyncio
+async def test_server_writer_dropped_without_close_is_closed_with_a_warning() -> None:
+    baseline = open_fds()
+    transports: list[slabnet.SlabTransport] = []  # (a transport never holds its writer)
+
+    async def forgetful(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        transports.append(writer.transport)
+        writer.write(b"hello")  # and return without close()
+
+    server = await slabnet.start_server(forgetful, "127.0.0.1", 0)
+    sock = socket.create_connection(server.sockets[0].getsockname())
+    sock.setblocking(False)
+    try:
+        with pytest.warns(ResourceWarning, match=r"unclosed <StreamWriter"):
+            # The client sees the bytes, then EOF: the server closed its side.
+            assert await sock_read_to_end(sock) == b"hello"
+        assert transports and transports[0].is_closing()
+    finally:
+        sock.close()
+        server.close()
+        for transport in transports:
+            transport.close()  # (if the test failed)
+    # 3.12+: wait_closed() waits for every connection of the server.
+    await asyncio.wait_for(server.wait_closed(), WAKE)
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_client_writer_dropped_without_close_is_freed_closed_and_warned(
+    echo_server: tuple[str, int], tls_echo_server: tuple[str, int],
+    tls_client_context: ssl.SSLContext, tls: bool,
+) -> None:
+    baseline = open_fds()
+    if tls:
+        reader, writer = await slabnet.open_connection(
+            *tls_echo_server, ssl=tls_client_context, server_hostname="localhost"
+        )
+    else:
+        reader, writer = await slabnet.open_connection(*echo_server)
+    writer.write(b"ping")
+    assert await asyncio.wait_for(reader.readexactly(4), WAKE) == b"ping"
+    ref = weakref.ref(writer)
+    transport = writer.transport
+    gc.disable()  # no cycle may be what keeps it: freed by its refcount alone
+    try:
+        with pytest.warns(ResourceWarning, match=r"unclosed <StreamWriter"):
+            del writer
+        assert ref() is None
+        assert transport.is_closing()
+        # The echo server answers our EOF (or close_notify) by closing.
+        data, exc = await read_to_end(reader)
+        assert data == b"" and exc is None, (data, exc)
+    finally:
+        gc.enable()
+        transport.close()  # (if the test failed: the echo server must stop)
+    assert await fds_settle(baseline) <= baseline
+
+
+# ------------------------------------------------ 10: the loop closes its transport
+
+
+async def backlogged_server(
+    tls: ssl.SSLContext | None = None,
+) -> tuple[asyncio.Server, asyncio.Future[slabnet.StreamWriter], asyncio.Future[None]]:
+    """A server whose handler queues PAYLOAD bytes it cannot send yet, then
+    waits until its connection is closed."""
+    loop = asyncio.get_running_loop()
+    queued: asyncio.Future[slabnet.StreamWriter] = loop.create_future()
+    closed: asyncio.Future[None] = loop.create_future()
+
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        shrink(writer.get_extra_info("socket"))
+        writer.write(os.urandom(16) * (PAYLOAD // 16))
+        await asyncio.sleep(0)  # TLS: the plaintext is encrypted and queued
+        queued.set_result(writer)
+        try:
+            await writer.wait_closed()
+        finally:
+            closed.set_result(None)
+
+    server = await slabnet.start_server(handler, "127.0.0.1", 0, ssl=tls)
+    return server, queued, closed
+
+
+async def check_graceful_end_of_loop_transport(
+    close: Any, tls: bool, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    baseline = open_fds()
+    server, queued, closed = await backlogged_server(tls_server_context if tls else None)
+    port = server.sockets[0].getsockname()[1]
+    kw: dict[str, Any] = {}
+    if tls:
+        kw = dict(ssl=tls_client_context, server_hostname="localhost", ssl_ragged_eof=True)
+    reader, writer = await connect_small(port, **kw)
+    server_writer = await asyncio.wait_for(queued, WAKE)
+    backlog = server_writer.transport.get_write_buffer_size()
+    assert backlog > PAYLOAD // 2, backlog  # most of it waits in slabnet's queue
+    close(server, server_writer)
+    data, exc = await read_to_end(reader)
+    assert exc is None, exc
+    assert len(data) == PAYLOAD
+    await asyncio.wait_for(closed, WAKE)
+    server_writer.write(b"late")  # dropped: the connection is gone
+    writer.close()
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), WAKE)
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.skipif(sys.version_info < (3, 13), reason="Server.close_clients() is new in 3.13")
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_close_clients_sends_the_queue_first(
+    tls: bool, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    if type(asyncio.get_running_loop()).__module__.startswith("uvloop"):
+        pytest.skip("uvloop's Server has no close_clients()")
+
+    def close_clients(server: asyncio.Server, writer: slabnet.StreamWriter) -> None:
+        server.close_clients()
+
+    await check_graceful_end_of_loop_transport(
+        close_clients, tls, tls_server_context, tls_client_context
+    )
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_closing_the_loop_transport_sends_the_queue_first(
+    tls: bool, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    # What close_clients() does to each connection, on every version and loop.
+    def close_raw(server: asyncio.Server, writer: slabnet.StreamWriter) -> None:
+        writer.transport._raw.close()
+
+    await check_graceful_end_of_loop_transport(
+        close_raw, tls, tls_server_context, tls_client_context
+    )
+
+
+@pytest.mark.asyncio
+async def test_abort_after_the_loop_transport_closed_drops_the_queue() -> None:
+    baseline = open_fds()
+    server, queued, closed = await backlogged_server()
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await connect_small(port)
+    server_writer = await asyncio.wait_for(queued, WAKE)
+    server_writer.transport._raw.close()
+    await asyncio.sleep(0.05)
+    assert not closed.done()  # still sending
+    server_writer.transport.abort()
+    await asyncio.wait_for(closed, WAKE)  # connection_lost came, no hang
+    data, exc = await read_to_end(reader)
+    assert len(data) < PAYLOAD
+    writer.close()
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), WAKE)
+    assert await fds_settle(baseline) <= baseline
+
+
+# ------------------------------------------------ 13: one future per await
+
+
+@pytest.mark.asyncio
+async def test_a_timed_out_await_of_a_write_request_cancels_only_itself(
+    small_listener: socket.socket,
+) -> None:
+    loop = asyncio.get_running_loop()
+    reader, writer = await connect_small(small_listener.getsockname()[1])
+    peer, _ = await loop.sock_accept(small_listener)
+    peer.setblocking(False)
+    payload = os.urandom(PAYLOAD)
+    req = writer.write(payload)
+    assert req is not None and not req.done()
+
+    async def await_req() -> str:
+        await req
+        return "sent"
+
+    other = asyncio.create_task(await_req())
+    await asyncio.sleep(0)
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(req, 0.1)  # nobody reads: it times out
+    assert not other.done()
+    assert not req.done()
+    later = asyncio.create_task(await_req())
+    data = await sock_read_to_end_n(peer, PAYLOAD)
+    assert data == payload
+    assert await asyncio.wait_for(other, WAKE) == "sent"
+    assert await asyncio.wait_for(later, WAKE) == "sent"
+    await asyncio.wait_for(req, WAKE)
+    assert req._waiters is None  # nothing left behind
+    writer.close()
+    peer.close()
+    await writer.wait_closed()
+
+
+async def sock_read_to_end_n(sock: socket.socket, n: int) -> bytes:
+    loop = asyncio.get_running_loop()
+    buf = bytearray()
+    async with asyncio.timeout(WAKE):
+        while len(buf) < n:
+            data = await loop.sock_recv(sock, 65536)
+            assert data, "EOF before all the bytes"
+            buf += data
+    return bytes(buf)
+
+
+@pytest.mark.asyncio
+async def test_repeated_timeouts_on_a_write_request_leave_nothing_behind(
+    small_listener: socket.socket,
+) -> None:
+    loop = asyncio.get_running_loop()
+    reader, writer = await connect_small(small_listener.getsockname()[1])
+    peer, _ = await loop.sock_accept(small_listener)
+    req = writer.write(os.urandom(PAYLOAD))
+    assert req is not None
+    for _ in range(20):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(req, 0.001)
+    assert not req._waiters
+    writer.transport.abort()
+    with pytest.raises(ConnectionAbortedError):
+        await asyncio.wait_for(req, WAKE)  # the abort reaches a later await
+    peer.close()
+    await writer.wait_closed()
+
+
+# ------------------------------------------------ 15: write() on a closed connection
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_write_after_close_is_dropped_and_drain_raises(
+    echo_server: tuple[str, int], tls_echo_server: tuple[str, int],
+    tls_client_context: ssl.SSLContext, tls: bool, caplog: pytest.LogCaptureFixture,
+) -> None:
+    if tls:
+        reader, writer = await slabnet.open_connection(
+            *tls_echo_server, ssl=tls_client_context, server_hostname="localhost"
+        )
+    else:
+        reader, writer = await slabnet.open_connection(*echo_server)
+    writer.close()
+    with caplog.at_level(logging.WARNING, logger="slabnet"):
+        # As asyncio: silently dropped ...
+        for _ in range(2):
+            assert writer.write(b"late" * 10000) is None
+            assert writer.writelines([b"late", b"r"]) is None
+        assert not caplog.records
+        await writer.wait_closed()
+        # ... and from the fifth on, with a warning each.
+        for _ in range(3):
+            assert writer.write(b"later") is None
+        assert [r.getMessage() for r in caplog.records] == [
+            f"{writer.transport!r}: write() on a closed connection: data dropped"
+        ] * 3
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(writer.drain(), WAKE)
+    assert writer.transport.get_write_buffer_size() == 0
+
+
+@pytest.mark.asyncio
+async def test_write_after_peer_reset_or_abort_is_dropped(
+    listener: socket.socket,
+) -> None:
+    loop = asyncio.get_running_loop()
+    reader, writer = await slabnet.open_connection(*listener.getsockname())
+    peer, _ = await loop.sock_accept(listener)
+    hard_close(peer)
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(reader.read(), WAKE)
+    assert writer.write(b"x" * 100_000) is None
+    assert writer.writelines([b"x"]) is None
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(writer.drain(), WAKE)
+    writer.close()
+
+    reader, writer = await slabnet.open_connection(*listener.getsockname())
+    peer, _ = await loop.sock_accept(listener)
+    writer.transport.abort()
+    assert writer.write(b"x") is None
+    assert writer.write(b"x" * 100_000) is None
+    await writer.wait_closed()
+    assert writer.write(b"x") is None
+    with pytest.raises(ConnectionError):
+        await asyncio.wait_for(writer.drain(), WAKE)
+    peer.close()
+    # write_eof() still forbids writes loudly, as asyncio does.
+    reader, writer = await slabnet.open_connection(*listener.getsockname())
+    peer, _ = await loop.sock_accept(listener)
+    writer.write_eof()
+    with pytest.raises(RuntimeError, match="after write_eof"):
+        writer.write(b"x")
+    writer.close()
+    peer.close()
+    await writer.wait_closed()
+
+
+# ------------------------------------------------ 18: abort in chunk_received
+
+
+class AbortsOnFirstChunk(slabnet.ChunkProtocol):
+    def __init__(self) -> None:
+        self.chunks: list[int] = []
+        self.lost: asyncio.Future[BaseException | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self.made: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.made.set_result(transport)
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        self.chunks.append(len(chunk))
+        self.transport.abort()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost.set_result(exc)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_no_chunk_is_delivered_after_abort_in_chunk_received(
+    listener: socket.socket, tls: bool, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    loop = asyncio.get_running_loop()
+    app = AbortsOnFirstChunk()
+    baseline = open_fds()
+    # The client does not read until everything is in its receive buffer.
+    client = socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    client.setblocking(False)
+    await loop.sock_connect(client, listener.getsockname())
+    peer, _ = await loop.sock_accept(listener)
+    peer.setblocking(False)
+    if tls:
+        raw = RawTLS(peer, tls_server_context, server_side=True)
+        handshake = asyncio.ensure_future(raw.handshake())
+    ctx = tls_client_context if tls else None
+    await loop.create_connection(
+        lambda: slabnet.SlabProtocol(app, ssl=ctx, server_hostname="localhost" if tls else None),
+        sock=client,
+    )
+    if tls:
+        await asyncio.wait_for(handshake, WAKE)
+    transport = await asyncio.wait_for(app.made, WAKE)
+    transport.pause_reading()
+    if tls:
+        # Records of sizes that are not coalesced into one chunk: a batch.
+        pieces = [os.urandom(1000 + (i % 7) * 1111) for i in range(200)]
+        await raw.send(raw.seal(*pieces))
+    else:
+        await loop.sock_sendall(peer, os.urandom(512 * 1024))
+    await asyncio.sleep(0.1)  # all of it is in the client's receive buffer
+    transport.resume_reading()
+    exc = await asyncio.wait_for(app.lost, WAKE)
+    assert isinstance(exc, ConnectionAbortedError), exc
+    assert len(app.chunks) == 1, app.chunks
+    peer.close()
+    assert await fds_settle(baseline) <= baseline
+
+
+# ------------------------------------------------ 18: read-only views of mutable buffers
+
+
+def mutable_views(size: int) -> tuple[bytearray, memoryview]:
+    buf = bytearray(os.urandom(size))
+    return buf, memoryview(buf).toreadonly()
+
+
+@pytest.mark.parametrize("how", ["write", "writelines", "behind_small_writes"])
+@pytest.mark.asyncio
+async def test_queued_read_only_view_of_a_mutable_buffer_is_copied(
+    small_listener: socket.socket, how: str,
+) -> None:
+    loop = asyncio.get_running_loop()
+    reader, writer = await connect_small(small_listener.getsockname()[1])
+    peer, _ = await loop.sock_accept(small_listener)
+    peer.setblocking(False)
+    buf, view = mutable_views(PAYLOAD)
+    expected = bytes(buf)
+    if how == "write":
+        writer.write(view)
+    elif how == "writelines":
+        writer.writelines([b"head", view])
+        expected = b"head" + expected
+    else:
+        writer.write(b"small")  # pooled: the view queues behind it
+        writer.write(view)
+        expected = b"small" + expected
+    assert writer.transport.get_write_buffer_size() > 0  # (some of it waits)
+    buf[:] = bytes(len(buf))  # the caller reuses its buffer
+    writer.write_eof()
+    assert await sock_read_to_end(peer) == expected
+    writer.close()
+    peer.close()
+    await writer.wait_closed()
+
+
+@pytest.mark.parametrize("how", ["write", "writelines"])
+@pytest.mark.asyncio
+async def test_tls_read_only_view_of_a_mutable_buffer_is_copied(
+    tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext, how: str,
+) -> None:
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[bytes] = loop.create_future()
+
+    async def collect(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        done.set_result(await reader.read())
+        writer.close()
+
+    server = await slabnet.start_server(collect, "127.0.0.1", 0, ssl=tls_server_context)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await slabnet.open_connection(
+        "127.0.0.1", port, ssl=tls_client_context, server_hostname="localhost"
+    )
+    buf, view = mutable_views(10_000)  # below CORK_LIMIT: encrypted at the end of the iteration
+    expected = bytes(buf)
+    if how == "write":
+        writer.write(view)
+    else:
+        writer.writelines([view])
+    buf[:] = bytes(len(buf))  # before the end of the iteration encrypts it
+    writer.close()
+    assert await asyncio.wait_for(done, WAKE) == expected
+    await writer.wait_closed()
+    server.close()
+    await server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_queued_chunk_of_the_read_slab_is_not_copied(
+    small_listener: socket.socket, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The copy is only for buffers that can change: a chunk of the read
+    slab and ``bytes`` queue as they are."""
+    import slabnet._transport as transport_mod
+
+    copies = []
+    real_keep = transport_mod._keep
+
+    def counting_keep(view: memoryview) -> memoryview:
+        kept = real_keep(view)
+        if kept is not view:
+            copies.append(view.nbytes)
+        return kept
+
+    monkeypatch.setattr(transport_mod, "_keep", counting_keep)
+    loop = asyncio.get_running_loop()
+    # Default buffers on our side, so one read takes a whole slab.
+    reader, writer = await slabnet.open_connection(*small_listener.getsockname())
+    peer, _ = await loop.sock_accept(small_listener)
+    peer.setblocking(False)
+    writer.transport.pause_reading()
+    await loop.sock_sendall(peer, os.urandom(64 * 1024))
+    await asyncio.sleep(0.1)
+    writer.transport.resume_reading()
+    chunk = await asyncio.wait_for(reader.read_chunk(), WAKE)
+    assert type(chunk.obj).__name__ == "_Slab"
+    big = os.urandom(PAYLOAD)
+    writer.write(big)
+    writer.write(chunk)  # queued behind the big write
+    assert writer.transport.get_write_buffer_size() > chunk.nbytes
+    writer.write_eof()
+    assert await sock_read_to_end(peer) == big + bytes(chunk)
+    assert copies == []
+    writer.close()
+    peer.close()
+    await writer.wait_closed()
