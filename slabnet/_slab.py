@@ -78,6 +78,17 @@ LEND_SIZE: Final = 4 * DEFAULT_SLAB_SIZE
 _SLAB_CACHE: Final = 4
 
 
+class _Sealed(bytearray):
+    """A buffer slabnet fills once and from then on only lends out as
+    read-only views: a read's own buffer, a TLS chunk, the stream reader's
+    coalesced small chunks. No one can change its bytes any more, so the
+    write path may queue a view of it without a copy (as it does for
+    ``bytes``); a plain ``bytearray`` behind a read-only view may still be
+    changed by whoever made it."""
+
+    __slots__ = ()
+
+
 class _Slab(bytearray):
     """A slab: a ``bytearray`` that can be weakly referenced for accounting."""
 
@@ -254,7 +265,7 @@ class ReadSlab:
         # The pending reservation's own buffer, or None for a slab region.
         # A slab region is not referenced here: an abandoned reservation
         # (the read failed or hit EOF) must not pin the slab.
-        self._own: bytearray | None = None
+        self._own: _Sealed | None = None
         # The lending buffer of reserve_lent(), made on first use, and
         # whether the pending reservation is in it.
         self._lend: memoryview | None = None
@@ -271,7 +282,7 @@ class ReadSlab:
         if hint != self.size:
             # Seed 000: a read suggested smaller than the slab owns its
             # buffer; so does one larger than any slab. Same waste rule.
-            self._own = own = bytearray(hint)
+            self._own = own = _Sealed(hint)
             return memoryview(own)
         self._own = None
         if self._cur < 0 or self._offset + hint > self.size:

@@ -58,6 +58,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any, Final, cast
 
 from ._errors import LocalAbortError
+from ._slab import _Sealed
 from ._transport import ChunkProtocol, SlabProtocol, SlabTransport
 from ._write import WriteRequest
 
@@ -105,7 +106,7 @@ class StreamReader:
         self._loop = loop or asyncio.get_event_loop()
         self._chunks: collections.deque[memoryview] = collections.deque()
         self._pos = 0  # bytes of _chunks[0] already consumed
-        self._tail = bytearray()  # small chunks, coalesced; after all of _chunks
+        self._tail = _Sealed()  # small chunks, coalesced; after all of _chunks
         self._size = 0  # buffered bytes not yet consumed (_chunks and _tail)
         self._examined = 0  # bytes the separator search has looked at, ever
         self._eof = False
@@ -198,7 +199,7 @@ class StreamReader:
         The view handed on is read-only and its ``bytearray`` is never
         written again: later small chunks start a fresh one."""
         self._chunks.append(memoryview(self._tail).toreadonly())
-        self._tail = bytearray()
+        self._tail = _Sealed()
 
     def _wakeup_waiter(self) -> None:
         waiter = self._waiter

@@ -129,6 +129,7 @@ from typing import Any, Final, Union
 
 from slabnet._errors import TLSRecordError, TLSTruncatedError
 from slabnet._records import MAX_LENGTH_TLS12, MAX_LENGTH_TLS13, RecordScanner
+from slabnet._slab import _Sealed
 
 __all__ = ["TLSEngine", "TLSState", "empty_record_size", "record_overhead"]
 
@@ -945,7 +946,7 @@ class TLSEngine:
         scanner = self._scanner
         sslobj = self.ssl_object
         first: bytes = b""
-        buf: bytearray | None = None
+        buf: _Sealed | None = None
         off = calls = 0
         try:
             if count <= 0:
@@ -972,10 +973,10 @@ class TLSEngine:
                     return memoryview(first)
                 off = len(first)
                 size = off + bound
-                buf = bytearray(size)
+                buf = _Sealed(size)
                 buf[:off] = first
             else:
-                buf = bytearray(size)
+                buf = _Sealed(size)
             view = memoryview(buf)
             # The loop variable counts the reads (one store a record).
             for calls in range(calls + 1, calls + count + 1):
@@ -1017,7 +1018,7 @@ class TLSEngine:
             try:
                 del buf[off:]
             except BufferError:  # pragma: no cover - a view is still alive
-                buf = bytearray(buf[:off])
+                buf = _Sealed(buf[:off])
             view = memoryview(buf)
         self.chunks_returned += 1
         return view.toreadonly()

@@ -57,7 +57,7 @@ from ._errors import (
     TLSTruncatedError,
 )
 from ._pool import BufferPool
-from ._slab import ReadSlab, _Slab
+from ._slab import ReadSlab, _Sealed, _Slab
 from ._write import OutQueue, WriteRequest
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ _DROPPED_WRITES_LOG: Final = 5
 #: so a chunk read from one connection can be queued on another uncopied.
 #: A read-only view of anything else (a ``bytearray`` behind ``toreadonly()``)
 #: may still change through a writable view or the object: it is copied.
-_IMMUTABLE: Final = frozenset({bytes, _Slab})
+_IMMUTABLE: Final = frozenset({bytes, _Slab, _Sealed})
 
 
 # ---------------------------------------------------------------- per loop

@@ -557,3 +557,52 @@ async def test_queued_chunk_of_the_read_slab_is_not_copied(
     writer.close()
     peer.close()
     await writer.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_tls_chunks_echoed_over_tls_are_not_copied(
+    monkeypatch: pytest.MonkeyPatch, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    """A TLS chunk owns a buffer that nobody changes after it was filled
+    (slabnet's ``_Sealed``), so echoing it queues it as it is; so do the
+    reader's coalesced small chunks and a read's own buffer."""
+    import slabnet._transport as transport_mod
+
+    copies: list[str] = []
+    real_keep = transport_mod._keep
+
+    def counting_keep(view: memoryview) -> memoryview:
+        kept = real_keep(view)
+        if kept is not view:
+            copies.append(type(view.obj).__name__)
+        return kept
+
+    monkeypatch.setattr(transport_mod, "_keep", counting_keep)
+    owners: set[str] = set()
+
+    async def echo(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        async for chunk in reader.chunks():
+            owners.add(type(chunk.obj).__name__)
+            writer.write(chunk)
+            await writer.drain()
+        writer.close()
+
+    server = await slabnet.start_server(echo, "127.0.0.1", 0, ssl=tls_server_context)
+    try:
+        reader, writer = await slabnet.open_connection(
+            *server.sockets[0].getsockname()[:2], ssl=tls_client_context,
+            server_hostname="localhost",
+        )
+        payload = os.urandom(300_000)
+        for i in range(0, len(payload), 5000):
+            writer.write(payload[i : i + 5000])
+        async with asyncio.timeout(WAKE):
+            assert await reader.readexactly(len(payload)) == payload
+        writer.close()
+        await writer.wait_closed()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert owners and owners <= {"_Sealed", "bytes"}, owners
+    assert copies == []
