@@ -608,7 +608,14 @@ class SlabTransport(asyncio.Transport):
     def _flush(self) -> None:
         """Send what is queued; wait for writability if the kernel is full."""
         if self._tls_plain and self._state is not _State.HANDSHAKING:
-            self._tls_flush_plain()
+            try:
+                self._tls_flush_plain()
+            except Exception as exc:
+                # The engine refused to encrypt (ssl.SSLError): nothing more
+                # can be sent in order. The connection ends with that error,
+                # which every waiter gets, instead of escaping to the loop.
+                self._abort(exc)
+                return
         self._corked = 0
         out = self._out
         sock = self._sock

@@ -549,6 +549,49 @@ async def test_close_after_a_write_side_ssl_error_does_not_raise(
 
 
 @pytest.mark.asyncio
+async def test_write_side_ssl_error_in_the_flush_ends_the_connection(
+    listener: socket.socket, server_cert: Any, tls_ca: Any
+) -> None:
+    """The end-of-iteration flush fails to encrypt: that error ends the
+    connection (every waiter gets it) instead of escaping to the loop as an
+    'Exception in callback' and leaving the connection and its waiters
+    hanging."""
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    baseline = open_fds()
+
+    async def peer() -> None:
+        tls = RawTLS(await accept(listener), server_ctx(server_cert), server_side=True)
+        await tls.handshake()
+        await tls.linger()
+
+    task = asyncio.create_task(peer())
+    ctx = client_ctx(tls_ca)
+    ctx.sslobject_class = _FailingWrites
+    try:
+        reader, writer = await slabnet.open_connection(
+            "127.0.0.1", listener.getsockname()[1], ssl=ctx, server_hostname="localhost"
+        )
+        read = asyncio.create_task(reader.read())  # waits for data
+        await asyncio.sleep(0)
+        writer.get_extra_info("ssl_object").fail = True
+        writer.write(b"lost")  # encrypted (and failing) at the end of the iteration
+        with pytest.raises(ssl.SSLError, match="injected"):
+            await asyncio.wait_for(writer.wait_closed(), WAKE)
+        with pytest.raises(ssl.SSLError, match="injected"):
+            await asyncio.wait_for(read, WAKE)
+        with pytest.raises(ssl.SSLError, match="injected"):
+            await writer.drain()
+        writer.close()  # no-op, never raises
+        await asyncio.wait_for(task, WAKE + 5)
+    finally:
+        loop.set_exception_handler(None)
+    assert handler.contexts == []
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.asyncio
 async def test_plaintext_openssl_holds_when_paused_is_delivered(
     listener: socket.socket, server_cert: Any, tls_ca: Any
 ) -> None:
