@@ -201,6 +201,13 @@ class StreamReader:
         self._chunks.append(memoryview(self._tail).toreadonly())
         self._tail = _Sealed()
 
+    def _reach(self, n: int) -> None:
+        """Make the first ``n`` buffered bytes (or all) lie in ``_chunks``:
+        seal the tail if some of them are in it."""
+        tail = self._tail
+        if tail and n > self._size - len(tail):
+            self._seal_tail()
+
     def _wakeup_waiter(self) -> None:
         waiter = self._waiter
         if waiter is not None:
@@ -239,8 +246,7 @@ class StreamReader:
 
     def _take(self, n: int) -> bytes:
         """Remove ``n`` buffered bytes and return them, copied once."""
-        if self._tail and n > self._size - len(self._tail):
-            self._seal_tail()
+        self._reach(n)
         chunks = self._chunks
         pos = self._pos
         first = chunks[0]
@@ -375,8 +381,7 @@ class StreamReader:
             await self._wait_for_data("readinto")
             if not self._size and self._raise_if_done():
                 return 0
-        if self._tail and want > self._size - len(self._tail):
-            self._seal_tail()
+        self._reach(want)
         got = 0
         chunks = self._chunks
         while got < want and chunks:

@@ -718,33 +718,32 @@ class TLSEngine:
 
     def _write_one(self, data: Buffer) -> None:
         size = data.nbytes if isinstance(data, memoryview) else len(data)
-        if size > WRITE_SLICE:
-            self._write_sliced(data)
+        if size <= WRITE_SLICE:
+            self._write_piece(data)
             return
-        if self._blocked:
-            self._blocked.append(bytes(data))
-        else:
-            self._ssl_io(_Op.WRITE, data)
-        if self._outgoing.pending >= _DRAIN_AT:
-            self._sealed.append(self._outgoing.read())
-
-    def _write_sliced(self, data: Buffer) -> None:
-        """Encrypt a large buffer ``WRITE_SLICE`` bytes at a time, taking the
-        ciphertext out of the BIO in between (slices of a memoryview: no
-        copy, except for slices that have to wait for a handshake)."""
+        # A large buffer goes WRITE_SLICE bytes at a time (slices of a
+        # memoryview: no copy, except for slices that wait for a handshake).
         view = memoryview(data)
         if view.itemsize != 1 or view.ndim != 1:
             view = view.cast("B")
-        outgoing = self._outgoing
-        sealed = self._sealed
         for start in range(0, len(view), WRITE_SLICE):
-            piece = view[start : start + WRITE_SLICE]
-            if self._blocked:
-                self._blocked.append(bytes(piece))
-            else:
-                self._ssl_io(_Op.WRITE, piece)
-            if outgoing.pending >= _DRAIN_AT:
-                sealed.append(outgoing.read())
+            self._write_piece(view[start : start + WRITE_SLICE])
+
+    def _write_piece(self, piece: Buffer) -> None:
+        """Encrypt at most ``WRITE_SLICE`` bytes, or keep them (as a private
+        copy) behind writes that wait for a handshake."""
+        if self._blocked:
+            self._blocked.append(bytes(piece))
+        else:
+            self._ssl_io(_Op.WRITE, piece)
+        self._seal_if_full()
+
+    def _seal_if_full(self) -> None:
+        """Take the ciphertext out of the outgoing BIO once it holds
+        ``_DRAIN_AT`` bytes (see WRITE_SLICE)."""
+        outgoing = self._outgoing
+        if outgoing.pending >= _DRAIN_AT:
+            self._sealed.append(outgoing.read())
 
     @property
     def held_plaintext(self) -> int:
@@ -763,13 +762,11 @@ class TLSEngine:
 
     def _retry_blocked_writes(self) -> None:
         blocked = self._blocked
-        outgoing = self._outgoing
         while blocked and self._state is not _BROKEN:
             if self._ssl_io(_Op.WRITE, blocked[0]) is _AGAIN:
                 return
             blocked.popleft()
-            if outgoing.pending >= _DRAIN_AT:
-                self._sealed.append(outgoing.read())
+            self._seal_if_full()
         if self._shutdown_after_writes and not blocked:
             self._shutdown_after_writes = False
             self._send_close_notify()
@@ -778,13 +775,7 @@ class TLSEngine:
         """Ciphertext waiting to be sent (empty bytes if none), as one
         ``bytes``: after a large write that joins the pieces, a copy that
         :meth:`data_to_send_many` avoids."""
-        tail = self._outgoing.read()
-        sealed = self._sealed
-        if not sealed:
-            return tail
-        self._sealed = []
-        sealed.append(tail)
-        return b"".join(sealed)
+        return b"".join(self.data_to_send_many())  # (one piece: no copy)
 
     def data_to_send_many(self) -> list[bytes]:
         """Ciphertext waiting to be sent, in order, as the non-empty pieces

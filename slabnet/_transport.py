@@ -535,9 +535,7 @@ class SlabTransport(asyncio.Transport):
     def _tls_write(self, view: memoryview, n: int) -> WriteRequest | None:
         # Encrypted at the end of the iteration: the caller may reuse its
         # buffer before that.
-        if not (view.readonly and type(view.obj) in _IMMUTABLE):
-            view = memoryview(view.tobytes())  # _keep(view), inlined: per write
-        self._tls_plain.append(view)
+        self._tls_plain.append(_keep(view))
         self._tls_plain_bytes += n
         req = None
         if self._waiting_writable or self._state is _State.HANDSHAKING:
