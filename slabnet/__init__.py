@@ -23,6 +23,7 @@ from ._streams import (
     start_unix_server,
 )
 from ._tls import TLSEngine, TLSState
+from ._tls_transport import TLSTransport
 from ._transport import ChunkProtocol, SlabProtocol, SlabTransport, get_pool, get_slab
 from ._write import WriteRequest
 
@@ -45,6 +46,7 @@ __all__ = [
     "TLSEngine",
     "TLSRecordError",
     "TLSState",
+    "TLSTransport",
     "TLSTruncatedError",
     "WriteRequest",
     "get_pool",

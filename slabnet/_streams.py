@@ -59,7 +59,11 @@ from typing import Any, Final, cast
 
 from ._errors import LocalAbortError
 from ._slab import _Sealed
+from ._tls_transport import TLSTransport
 from ._transport import ChunkProtocol, SlabProtocol, SlabTransport
+
+#: What a stream runs over: a plain connection, or the TLS layer on one.
+_Transport = SlabTransport | TLSTransport
 from ._write import WriteRequest
 
 __all__ = [
@@ -593,7 +597,7 @@ class _StreamProtocol(ChunkProtocol):
         # The transport calls reader._feed_chunk directly: no extra frame.
         self.chunk_received = reader._feed_chunk  # type: ignore[method-assign]
         self._client_connected_cb = client_connected_cb
-        self._transport: SlabTransport | None = None
+        self._transport: _Transport | None = None
         self._task: asyncio.Task[None] | None = None
         self._closed = self._loop.create_future()
         self._paused = False
@@ -602,11 +606,9 @@ class _StreamProtocol(ChunkProtocol):
         self._over_ssl = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport = cast(SlabTransport, transport)
+        transport = cast(_Transport, transport)
         reader = self._reader
         assert reader is not None
-        if self._transport is not None:
-            return  # a STARTTLS upgrade finished: same connection
         self._transport = transport
         reader.set_transport(transport)
         self._over_ssl = transport.get_extra_info("sslcontext") is not None
@@ -684,6 +686,13 @@ class _StreamProtocol(ChunkProtocol):
     def _get_close_waiter(self) -> asyncio.Future[None]:
         return self._closed
 
+    def _upgraded(self, transport: TLSTransport) -> None:
+        """STARTTLS is done: the stream runs over the TLS layer now."""
+        self._transport = transport
+        self._over_ssl = True
+        if self._reader is not None:
+            self._reader._transport = transport
+
 
 class StreamWriter:
     """A drop-in for ``asyncio.StreamWriter``.
@@ -694,7 +703,7 @@ class StreamWriter:
 
     def __init__(
         self,
-        transport: SlabTransport,
+        transport: _Transport,
         protocol: _StreamProtocol,
         reader: StreamReader | None,
         loop: asyncio.AbstractEventLoop,
@@ -732,7 +741,7 @@ class StreamWriter:
         return f"<{' '.join(info)}>"
 
     @property
-    def transport(self) -> SlabTransport:
+    def transport(self) -> _Transport:
         return self._transport
 
     def write(self, data: bytes | bytearray | memoryview) -> WriteRequest | None:
@@ -764,7 +773,7 @@ class StreamWriter:
         if reader is not None and reader._exception is not None:
             raise reader._exception
         protocol = self._protocol
-        closing = self._transport._closing
+        closing = self._transport.is_closing()
         if not (protocol._paused or protocol._connection_lost or closing):
             return  # the common case: nothing to wait for
         if closing:
@@ -783,15 +792,21 @@ class StreamWriter:
         """Upgrade the connection to TLS (STARTTLS), client or server side."""
         server_side = self._protocol._client_connected_cb is not None
         await self.drain()
-        slab_proto = self._transport._proto
-        await slab_proto.start_tls(
+        transport = self._transport
+        if isinstance(transport, TLSTransport):
+            raise RuntimeError("the connection already uses TLS")
+        tls = await transport.start_tls(
             sslcontext,
             server_side=server_side,
             server_hostname=server_hostname,
             ssl_handshake_timeout=ssl_handshake_timeout,
             ssl_shutdown_timeout=ssl_shutdown_timeout,
         )
-        self._protocol._over_ssl = True
+        assert isinstance(tls, TLSTransport)
+        self._transport = tls
+        self.write = tls.write  # type: ignore[method-assign]
+        self.writelines = tls.writelines  # type: ignore[method-assign,assignment]
+        self._protocol._upgraded(tls)
 
 
 # -------------------------------------------------------------------- openers

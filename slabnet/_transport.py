@@ -1,26 +1,40 @@
-"""The asyncio shell: SlabProtocol (loop-facing) and SlabTransport (app-facing).
+"""The plain connection: ``SlabProtocol`` below, ``SlabTransport`` above.
 
 Theory of operation
 -------------------
-slabnet runs over the event loop's plain TCP (or Unix) transport, on the
-default asyncio loop and on uvloop alike, and adds three things the loops do
-not do:
+slabnet runs over the event loop's own TCP (or Unix) transport, on the
+default asyncio loop and on uvloop alike. This module is the plain layer;
+TLS is a layer of its own on top of it (``_tls_transport.py``)::
 
-Reads. ``SlabProtocol`` is an ``asyncio.BufferedProtocol``: the loop reads
-straight into a reservation of the loop's ``ReadSlab`` and the protocol hands
-the resulting read-only view to the application's ``ChunkProtocol``. With
-TLS, the view is copied into the ``TLSEngine``'s incoming BIO at once (so
-ciphertext never pins a slab) and the engine's coalesced plaintext chunks,
-each in an exact-size buffer, go to the application instead.
+    app (ChunkProtocol)               app (ChunkProtocol)
+      |  SlabTransport                  |  TLSTransport  (TLS layer)
+      |                                 |  SlabTransport
+    SlabProtocol                      SlabProtocol
+    loop's transport                  loop's transport
+
+``SlabProtocol`` is what the loop calls: an ``asyncio.BufferedProtocol``
+that reads straight into a reservation of the loop's ``ReadSlab`` and hands
+each read to the layer above (the *upper* protocol) as one read-only
+``memoryview``. ``SlabTransport`` is what the upper protocol calls. The two
+are the two faces of one plain connection: they are made together, the
+protocol owns the transport, and they talk through the few methods marked
+"the protocol's side" below, never through each other's state.
+
+Reads. A read goes to the upper protocol as a chunk of the slab (see
+``_slab.py`` for when that is a zero-copy view and when a copy). An upper
+protocol that copies every chunk before ``chunk_received`` returns -- the
+TLS layer, which puts ciphertext into its engine's BIO -- says so with
+``borrows_chunks = True``: its reads then go into the slab's lending buffer
+and are never committed, so they never pin or advance a slab.
 
 Writes. The loop's transports copy or join data they cannot send at once and
 cannot tell which write has reached the kernel. slabnet sends itself, on its
 own duplicate of the socket's file descriptor (the loops refuse
 ``add_writer`` on a descriptor their transport owns, and a duplicate is the
 public way to wait for writability without touching their internals). The
-loop's transport never writes; it still reads, and performs ``write_eof`` and
-the final close, after slabnet's queue is empty. If the loop closes its
-transport first (``Server.close_clients()``), the duplicate still holds the
+loop's transport never writes; it still reads, and performs the final
+close, after slabnet's queue is empty. If the loop closes its transport
+first (``Server.close_clients()``), the duplicate still holds the
 connection: the queue goes out on it, then it is closed (``_outlive_raw``).
 
 * A write with nothing queued before it goes straight to ``send``; if the
@@ -31,11 +45,9 @@ connection: the queue goes out on it, then it is closed (``_outlive_raw``).
   have gathered.
 * What the kernel does not take waits in an ``OutQueue`` (memoryview slices,
   no joins), and the caller gets a ``WriteRequest``.
-* TLS: plaintext written during an iteration is encrypted in one
-  ``write_many`` at the end of it, so records are as full as possible and the
-  ciphertext goes out in one send.
 
-Lifecycle is one enum with one gate (``_set_state``); see ``_TRANSITIONS``.
+Lifecycle: one enum, ``_State`` (OPEN, CLOSING, CLOSED), one gate
+(``_set_state``); see ``_TRANSITIONS``.
 """
 
 from __future__ import annotations
@@ -47,21 +59,13 @@ import os
 import socket
 import ssl
 import weakref
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Final, cast
+from collections.abc import Iterable
+from typing import Any, Final, cast
 
-from ._errors import (
-    HandshakeTimeoutError,
-    LocalAbortError,
-    ShutdownTimeoutError,
-    TLSTruncatedError,
-)
+from ._errors import LocalAbortError
 from ._pool import BufferPool
 from ._slab import ReadSlab, _Sealed, _Slab
 from ._write import OutQueue, WriteRequest
-
-if TYPE_CHECKING:
-    from ._tls import TLSEngine
 
 __all__ = [
     "ChunkProtocol",
@@ -76,17 +80,9 @@ log = logging.getLogger("slabnet")
 #: asyncio's FlowControlMixin default high-water mark; low is a quarter.
 DEFAULT_HIGH_WATER: Final = 64 * 1024
 
-#: Flush gathered small writes before the end of the iteration once this
-#: much is waiting (issue 4: "or earlier when the pooled bytes reach 64 KiB").
+#: Small writes gathered in the pool go out at the end of the loop iteration,
+#: or earlier once this much is waiting: one ``sendmsg`` per 64 KiB at most.
 CORK_LIMIT: Final = 64 * 1024
-
-#: asyncio's defaults (asyncio.constants): 60 s handshake, 30 s shutdown.
-SSL_HANDSHAKE_TIMEOUT: Final = 60.0
-SSL_SHUTDOWN_TIMEOUT: Final = 30.0
-
-#: TLS: the most one read takes in once the app has paused reading (see
-#: SlabProtocol.get_buffer); that read also pauses the socket.
-_PAUSED_READ: Final = 1024
 
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
 
@@ -138,7 +134,6 @@ def get_pool(loop: asyncio.AbstractEventLoop | None = None) -> BufferPool:
 # ---------------------------------------------------------------- interface
 
 
-
 class ChunkProtocol(asyncio.BaseProtocol):
     """What slabnet calls on the application.
 
@@ -156,6 +151,11 @@ class ChunkProtocol(asyncio.BaseProtocol):
 
     __slots__ = ()
 
+    #: True for a protocol that is done with each chunk when
+    #: ``chunk_received`` returns (it copies what it keeps): its chunks may
+    #: then be views of a buffer that the next read reuses.
+    borrows_chunks: bool = False
+
     def chunk_received(self, chunk: memoryview) -> None:
         """Called with each chunk of bytes, in order."""
 
@@ -164,38 +164,110 @@ class ChunkProtocol(asyncio.BaseProtocol):
         return None
 
 
-# ---------------------------------------------------------------- lifecycle
+# ---------------------------------------------------------------- transport
 
 
 class _State(enum.Enum):
-    HANDSHAKING = "handshaking"  # TCP up, TLS handshake in progress
     OPEN = "open"
-    CLOSING = "closing"  # close() called: flushing, TLS shutdown
+    CLOSING = "closing"  # close() or abort() called, or the send side failed
     CLOSED = "closed"  # connection_lost delivered
 
 
-# The state the per-read path checks, as a module global (one lookup).
-_HANDSHAKING: Final = _State.HANDSHAKING
-
 _TRANSITIONS: Final = {
-    _State.HANDSHAKING: {_State.OPEN, _State.CLOSING, _State.CLOSED},
-    _State.OPEN: {_State.HANDSHAKING, _State.CLOSING, _State.CLOSED},  # STARTTLS
+    _State.OPEN: {_State.CLOSING, _State.CLOSED},
     _State.CLOSING: {_State.CLOSED},
     _State.CLOSED: set(),
 }
 
 
-class SlabTransport(asyncio.Transport):
-    """The transport an application protocol sees. Made by ``SlabProtocol``."""
+class WriteGate:
+    """What every slabnet transport does the same way around its writes:
+    the write-buffer limits and the pause/resume calls they cause, and the
+    rule for writes on a closed connection. A subclass provides
+    ``get_write_buffer_size()``, ``_writes_closed()`` and ``get_protocol()``
+    (who hears ``pause_writing``/``resume_writing``)."""
 
-    def __init__(self, proto: SlabProtocol, raw: asyncio.Transport) -> None:
+    _loop: asyncio.AbstractEventLoop
+
+    def _init_gate(self) -> None:
+        self._high = DEFAULT_HIGH_WATER
+        self._low = DEFAULT_HIGH_WATER // 4
+        self._writing_paused = False
+        self._eof_requested = False
+        self._dropped_writes = 0  # writes after close()/abort()/the connection went
+
+    def get_write_buffer_size(self) -> int:
+        raise NotImplementedError
+
+    def _writes_closed(self) -> bool:
+        raise NotImplementedError
+
+    def get_write_buffer_limits(self) -> tuple[int, int]:
+        return (self._low, self._high)
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if high is None:
+            high = DEFAULT_HIGH_WATER if low is None else 4 * low
+        if low is None:
+            low = high // 4
+        if not high >= low >= 0:
+            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+        self._high, self._low = high, low
+        self._check_pause()
+
+    def _check_writable(self) -> bool:
+        """False if a write must be dropped; raises after ``write_eof()``.
+
+        As asyncio's transports do, a write after ``close()``, ``abort()`` or
+        the loss of the connection is dropped without an error (``drain()``
+        raises the connection's error instead), and each one from the fifth
+        on logs a warning. (uvloop raises RuntimeError once its handle is
+        closed; slabnet follows the default loop on both loops.)
+        """
+        if self._eof_requested:
+            raise RuntimeError("Cannot call write() after write_eof()")
+        if self._writes_closed():
+            self._dropped_writes += 1
+            if self._dropped_writes >= _DROPPED_WRITES_LOG:
+                log.warning("%r: write() on a closed connection: data dropped", self)
+            return False
+        return True
+
+    def _check_pause(self) -> None:
+        size = self.get_write_buffer_size()
+        if not self._writing_paused:
+            if size > self._high:
+                self._writing_paused = True
+                self._notify_app("pause_writing")
+        elif size <= self._low:
+            self._writing_paused = False
+            self._notify_app("resume_writing")
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        raise NotImplementedError
+
+    def _notify_app(self, name: str) -> None:
+        app = self.get_protocol()
+        try:
+            getattr(app, name)()
+        except Exception as exc:  # an application bug: report, carry on
+            self._loop.call_exception_handler({
+                "message": f"protocol.{name}() failed",
+                "exception": exc, "transport": self, "protocol": app,
+            })
+
+
+class SlabTransport(WriteGate, asyncio.Transport):
+    """The transport of a plain connection. Made by ``SlabProtocol``."""
+
+    def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, pool: BufferPool) -> None:
         super().__init__()
         self._proto = proto
         self._raw = raw
-        self._loop = proto._loop
-        self._state = _State.HANDSHAKING if proto._tls is not None else _State.OPEN
+        self._loop = proto.loop
+        self._pool = pool
+        self._state = _State.OPEN
         self._closing = False  # derived from _state by _set_state: a hot check
-        self._pool = proto._pool
         self._out = OutQueue()
         # Our own duplicate of the descriptor, for send and for waiting.
         raw_sock = raw.get_extra_info("socket")
@@ -205,23 +277,12 @@ class SlabTransport(asyncio.Transport):
         self._waiting_writable = False
         self._flush_scheduled = False
         self._corked = 0  # pooled bytes waiting for the end-of-iteration flush
-        self._tls_plain: list[memoryview] = []  # plaintext for the next flush
-        self._tls_plain_bytes = 0
-        self._tls_reqs: list[WriteRequest] = []  # waiting for encryption
-        # Requests whose plaintext the engine holds until a renegotiation
-        # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
-        self._tls_held: list[WriteRequest] = []
-        self._eof_requested = False
         self._eof_sent = False
+        self._peer_eof = False  # the loop's transport read EOF: never resume it
         self._error: BaseException | None = None
-        self._dropped_writes = 0  # writes after close()/abort()/the connection went
         self._raw_gone = False  # the loop closed its transport with bytes queued
-        self._high = DEFAULT_HIGH_WATER
-        self._low = DEFAULT_HIGH_WATER // 4
-        self._writing_paused = False
         self._reading_paused = False
-        self._raw_paused = False  # TLS: pause_reading() pauses the socket lazily
-        self._timer: asyncio.TimerHandle | None = None
+        self._init_gate()
 
     # ------------------------------------------------ lifecycle gate
 
@@ -229,25 +290,25 @@ class SlabTransport(asyncio.Transport):
         if new not in _TRANSITIONS[self._state]:
             raise RuntimeError(f"slabnet transport: {self._state.value} -> {new.value}")
         self._state = new
-        self._closing = new is _State.CLOSING or new is _State.CLOSED
+        self._closing = new is not _State.OPEN
 
     def is_closing(self) -> bool:
         return self._closing
 
+    def _writes_closed(self) -> bool:
+        return self._closing or self._sock is None
+
     # ------------------------------------------------ info
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        tls = self._proto._tls
-        if tls is not None and name in _TLS_EXTRA:
-            return tls.get_extra_info(name, default)
         return self._raw.get_extra_info(name, default)
 
     def get_protocol(self) -> asyncio.BaseProtocol:
-        app: asyncio.BaseProtocol = self._proto._app
-        return app
+        upper: asyncio.BaseProtocol = self._proto.upper
+        return upper
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
-        self._proto._set_app(protocol)
+        self._proto.set_upper(protocol)
 
     # ------------------------------------------------ reading
 
@@ -258,30 +319,14 @@ class SlabTransport(asyncio.Transport):
         if self._reading_paused or self._state is _State.CLOSED:
             return
         self._reading_paused = True
-        if self._proto._tls is None:
-            self._pause_raw()
-        # TLS: the socket is paused by the next read (buffer_updated), so a
-        # stream drained before the next read costs no epoll_ctl calls.
-
-    def _pause_raw(self) -> None:
-        self._raw_paused = True
         self._raw.pause_reading()
 
     def resume_reading(self) -> None:
-        if not self._reading_paused or self._state is _State.CLOSED:
-            return
+        if not self._reading_paused or self._closing:
+            return  # (a closed connection reads no more, as asyncio's)
         self._reading_paused = False
-        proto = self._proto
-        tls = proto._tls
-        if self._raw_paused:  # (paused as plain TCP, even if STARTTLS came since)
-            self._raw_paused = False
-            if not proto._raw_eof:
-                self._raw.resume_reading()
-            if tls is not None:
-                self._loop.call_soon(proto._tls_pump)
-        elif tls is not None and tls.buffered_ciphertext:
-            # Records that arrived before the pause are delivered first.
-            self._loop.call_soon(proto._tls_pump)
+        if not self._peer_eof:
+            self._raw.resume_reading()
 
     # ------------------------------------------------ writing: public
 
@@ -292,11 +337,9 @@ class SlabTransport(asyncio.Transport):
         n = len(view)
         if not n:
             return None
-        if self._state is not _State.OPEN or self._eof_requested or self._sock is None:
+        if self._closing or self._eof_requested or self._sock is None:
             if not self._check_writable():
                 return None
-        if self._proto._tls is not None:
-            return self._tls_write(memoryview(view), n)
         out = self._out
         if n < self._pool.small_limit:
             # Gather: copy into the pool; one sendmsg at the end of the
@@ -322,7 +365,8 @@ class SlabTransport(asyncio.Transport):
         # has to wait is, and only when the caller could change it meanwhile.
         view = memoryview(view)
         if not out:
-            # Nothing before it: try the kernel directly (seed 002).
+            # Nothing before it: try the kernel directly. A write it takes
+            # whole completes synchronously and makes no object at all.
             sock = self._sock
             assert sock is not None
             try:
@@ -330,7 +374,7 @@ class SlabTransport(asyncio.Transport):
             except _SEND_RETRY:
                 sent = 0
             except OSError as exc:
-                self._write_failed(exc)
+                self._abort(exc)
                 return None
             out.passed(sent)
             if sent == n:
@@ -357,15 +401,11 @@ class SlabTransport(asyncio.Transport):
             return None
         if not self._check_writable():
             return None
-        total = sum(v.nbytes for v in views)
-        if self._proto._tls is not None:
-            req = None
-            for v in views:
-                req = self._tls_write(v, v.nbytes) or req
-            return req
+        total = 0
         out = self._out
         for v in views:
             out.append(_keep(v))
+            total += v.nbytes
         if not self._waiting_writable:
             self._flush()
             if not out:
@@ -374,12 +414,20 @@ class SlabTransport(asyncio.Transport):
         self._check_pause()
         return req
 
+    def track(self, req: WriteRequest) -> None:
+        """Complete ``req`` once every byte written so far has been sent
+        (for a layer above that made ``req`` for bytes of its own), or fail
+        it with the error that dropped them."""
+        out = self._out
+        if self._sock is None and out.sent_total < out.end:
+            req._finish(self._error or ConnectionResetError("connection lost with data unsent"))
+            return
+        out.track(req)
+
     def can_write_eof(self) -> bool:
-        return self._proto._tls is None and self._raw.can_write_eof()
+        return self._raw.can_write_eof()
 
     def write_eof(self) -> None:
-        if self._proto._tls is not None:
-            raise NotImplementedError("write_eof() is not supported on TLS connections")
         if self._eof_requested or self._state is _State.CLOSED:
             return
         self._eof_requested = True
@@ -389,78 +437,76 @@ class SlabTransport(asyncio.Transport):
             self._flush()
 
     def get_write_buffer_size(self) -> int:
-        return self._out.queued + self._tls_plain_bytes
+        return self._out.queued
 
-    def get_write_buffer_limits(self) -> tuple[int, int]:
-        return (self._low, self._high)
+    # ------------------------------------------------ STARTTLS
 
-    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        if high is None:
-            high = DEFAULT_HIGH_WATER if low is None else 4 * low
-        if low is None:
-            low = high // 4
-        if not high >= low >= 0:
-            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
-        self._high, self._low = high, low
-        self._check_pause()
+    async def start_tls(
+        self,
+        sslcontext: ssl.SSLContext,
+        *,
+        server_side: bool = False,
+        server_hostname: str | None = None,
+        ssl_handshake_timeout: float | None = None,
+        ssl_shutdown_timeout: float | None = None,
+        ssl_ragged_eof: bool = True,
+        ssl_session: Any = None,
+    ) -> asyncio.Transport:
+        """Upgrade this connection to TLS (STARTTLS); return the TLS transport.
+
+        The TLS layer becomes this transport's protocol and the current
+        protocol's transport. Bytes written before the call go out in
+        plaintext first; every byte read after it is ciphertext.
+        """
+        from ._tls_transport import TLSTransport
+
+        if self._closing:
+            raise ConnectionResetError("cannot start TLS on a closed connection")
+        if not server_side and not server_hostname and sslcontext.check_hostname:
+            raise ValueError("start_tls() on a client needs server_hostname")
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        tls = TLSTransport(
+            self._proto.upper, self._loop, sslcontext, server_side=server_side,
+            server_hostname=server_hostname, ssl_handshake_timeout=ssl_handshake_timeout,
+            ssl_shutdown_timeout=ssl_shutdown_timeout, ssl_ragged_eof=ssl_ragged_eof,
+            ssl_session=ssl_session, waiter=waiter, upgrade=True,
+        )
+        self._proto.set_upper(tls)
+        tls.connection_made(self)
+        await waiter
+        return tls
 
     # ------------------------------------------------ closing
 
     def close(self) -> None:
-        if self._state in (_State.CLOSING, _State.CLOSED):
-            return
-        if self._state is _State.HANDSHAKING:
-            # Nothing was exchanged with the application yet.
-            self._abort(LocalAbortError("closed during the TLS handshake"))
+        if self._state is not _State.OPEN:
             return
         self._set_state(_State.CLOSING)
-        proto = self._proto
-        tls = proto._tls
-        if tls is not None:
-            try:
-                self._tls_flush_plain()
-                tls.start_shutdown()
-            except Exception as exc:
-                # The engine broke on an earlier write (ssl.SSLError): no
-                # close_notify can follow. close() never raises (asyncio's
-                # does not): the connection ends with that error instead.
-                self._abort(exc)
-                return
-            self._send_tls_output()
-            timeout = proto._shutdown_timeout
-            self._timer = self._loop.call_later(timeout, self._shutdown_timed_out)
-            if self._reading_paused:
-                self._reading_paused = False
-                if self._raw_paused:
-                    self._raw_paused = False
-                    self._raw.resume_reading()
-            # What arrived while reading was paused (it may hold the peer's
-            # close_notify), and plaintext the shutdown took out of OpenSSL,
-            # is read now: nothing new may ever arrive to start the pump.
-            self._loop.call_soon(proto._tls_pump)
-            return
-        if not self._raw_paused and not proto._raw_eof:
-            self._pause_raw()
+        if not self._reading_paused and not self._peer_eof:
+            self._reading_paused = True
+            self._raw.pause_reading()
         self._maybe_close_raw()
 
-    def abort(self) -> None:
+    def abort(self, exc: BaseException | None = None) -> None:
         """Close at once, dropping queued data.
 
         Unlike asyncio (where the reader then sees EOF), every waiter -- a
         pending read, ``drain()``, a ``WriteRequest`` -- raises
         ``ConnectionAbortedError``: data was dropped, so EOF would be a lie.
-        Bytes that had already arrived are still read first.
+        Bytes that had already arrived are still read first. A layer above
+        may pass the error that ends the connection instead (``exc``): the
+        protocol's ``connection_lost`` then gets it.
         """
-        self._abort(LocalAbortError("connection aborted locally (transport.abort())"))
+        self._abort(exc or LocalAbortError("connection aborted locally (transport.abort())"))
 
     def _abort(self, exc: BaseException) -> None:
         if self._state is _State.CLOSED:
             return
         if self._error is None:
             self._error = exc
-        self._fail_writes(exc)
+        self._out.fail(exc)
         self._close_sock()
-        if self._state is not _State.CLOSING:
+        if self._state is _State.OPEN:
             self._set_state(_State.CLOSING)
         if self._raw_gone:
             # The loop's transport is closed already: it will not call back.
@@ -468,38 +514,15 @@ class SlabTransport(asyncio.Transport):
             return
         self._raw.abort()
 
-    def _close_after(self, exc: BaseException) -> None:
-        """TLS: the peer's FIN came without close_notify and the engine
-        refuses that (strict). The read side is over, ours is not: send what
-        is queued (the app wrote it before the FIN arrived), then close, and
-        report ``exc`` in connection_lost. Bounded by the shutdown timeout,
-        like a graceful close."""
-        if self._error is None:
-            self._error = exc
-        self._set_state(_State.CLOSING)
-        self._timer = self._loop.call_later(
-            self._proto._shutdown_timeout, self._shutdown_timed_out
-        )
-        self._maybe_close_raw()
-
-    def _shutdown_timed_out(self) -> None:
-        self._timer = None
-        self._abort(ShutdownTimeoutError(
-            f"TLS shutdown did not complete within {self._proto._shutdown_timeout} s"
-        ))
-
     def _maybe_close_raw(self) -> None:
         # CLOSING and nothing left to send: hand the close to the loop.
-        if self._out or self._tls_plain:
+        if self._out:
             return
+        self._close_sock()
         if self._raw_gone:
-            self._close_sock()  # the last descriptor: the kernel closes now
+            # The loop's transport is closed already: it will not call back.
             self._loop.call_soon(self._proto.connection_lost, None)
             return
-        if self._proto._tls is not None and self._state is _State.CLOSING:
-            if not self._proto._tls_closed:
-                return  # waiting for the peer's close_notify
-        self._close_sock()
         self._raw.close()
 
     def _close_sock(self) -> None:
@@ -514,91 +537,6 @@ class SlabTransport(asyncio.Transport):
 
     # ------------------------------------------------ writing: internals
 
-    def _check_writable(self) -> bool:
-        """False if a write must be dropped; raises after ``write_eof()``.
-
-        As asyncio's transports do, a write after ``close()``, ``abort()`` or
-        the loss of the connection is dropped without an error (``drain()``
-        raises the connection's error instead), and each one from the fifth
-        on logs a warning. (uvloop raises RuntimeError once its handle is
-        closed; slabnet follows the default loop on both loops.)
-        """
-        if self._eof_requested:
-            raise RuntimeError("Cannot call write() after write_eof()")
-        if self._closing or self._sock is None:
-            self._dropped_writes += 1
-            if self._dropped_writes >= _DROPPED_WRITES_LOG:
-                log.warning("%r: write() on a closed connection: data dropped", self)
-            return False
-        return True
-
-    def _tls_write(self, view: memoryview, n: int) -> WriteRequest | None:
-        # Encrypted at the end of the iteration: the caller may reuse its
-        # buffer before that.
-        self._tls_plain.append(_keep(view))
-        self._tls_plain_bytes += n
-        req = None
-        if self._waiting_writable or self._state is _State.HANDSHAKING:
-            # Its ciphertext position is known once it is encrypted.
-            req = WriteRequest(n, -1)
-            self._tls_reqs.append(req)
-        if self._state is _State.OPEN:
-            if self._tls_plain_bytes >= CORK_LIMIT:
-                self._flush()
-            elif not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._loop.call_soon(self._flush_soon)
-        self._check_pause()
-        return req
-
-    def _tls_flush_plain(self) -> None:
-        """Encrypt the plaintext gathered this iteration and queue it."""
-        plain = self._tls_plain
-        if not plain:
-            return
-        tls = self._proto._tls
-        assert tls is not None
-        self._tls_plain = []
-        self._tls_plain_bytes = 0
-        tls.write_many(plain)
-        out = self._out
-        # A large write comes out in several pieces (TLSEngine.WRITE_SLICE);
-        # each is queued as it is, never joined.
-        for piece in tls.data_to_send_many():
-            out.append(memoryview(piece))
-        reqs = self._tls_reqs
-        if reqs:
-            self._tls_reqs = []
-            self._track_encrypted(reqs)
-
-    def _track_encrypted(self, reqs: list[WriteRequest]) -> None:
-        """Make ``reqs`` complete once the ciphertext queued so far is sent,
-        unless the engine still holds plaintext (a TLS 1.2 renegotiation is
-        in progress): then theirs is among it, or behind it, and they wait
-        for ``_send_tls_output`` after the read that ends the renegotiation."""
-        tls = self._proto._tls
-        assert tls is not None
-        if tls.held_plaintext:
-            self._tls_held.extend(reqs)
-            return
-        if self._tls_held:
-            reqs = self._tls_held + reqs
-            self._tls_held = []
-        for req in reqs:
-            self._out.track(req)
-
-    def _send_tls_output(self) -> None:
-        tls = self._proto._tls
-        assert tls is not None
-        pieces = tls.data_to_send_many()
-        out = self._out
-        for piece in pieces:
-            out.append(memoryview(piece))
-        if self._tls_held and not tls.held_plaintext:
-            self._track_encrypted([])
-        if pieces and not self._waiting_writable:
-            self._flush()
-
     def _flush_soon(self) -> None:
         self._flush_scheduled = False
         if self._state is _State.CLOSED:
@@ -607,15 +545,6 @@ class SlabTransport(asyncio.Transport):
 
     def _flush(self) -> None:
         """Send what is queued; wait for writability if the kernel is full."""
-        if self._tls_plain and self._state is not _State.HANDSHAKING:
-            try:
-                self._tls_flush_plain()
-            except Exception as exc:
-                # The engine refused to encrypt (ssl.SSLError): nothing more
-                # can be sent in order. The connection ends with that error,
-                # which every waiter gets, instead of escaping to the loop.
-                self._abort(exc)
-                return
         self._corked = 0
         out = self._out
         sock = self._sock
@@ -631,7 +560,7 @@ class SlabTransport(asyncio.Transport):
             except _SEND_RETRY:
                 break
             except OSError as exc:
-                self._write_failed(exc)
+                self._abort(exc)
                 return
             if out.sent(sent) or sent < sum(b.nbytes for b in bufs):
                 break
@@ -647,33 +576,10 @@ class SlabTransport(asyncio.Transport):
             if self._state is _State.CLOSING:
                 self._maybe_close_raw()
 
-    def _on_writable(self) -> None:
-        self._flush()
-
     def _wait_writable(self) -> None:
         if not self._waiting_writable:
             self._waiting_writable = True
-            self._loop.add_writer(self._wfd, self._on_writable)
-
-    def _check_pause(self) -> None:
-        size = self._out.queued + self._tls_plain_bytes
-        if not self._writing_paused:
-            if size > self._high:
-                self._writing_paused = True
-                self._notify_app("pause_writing")
-        elif size <= self._low:
-            self._writing_paused = False
-            self._notify_app("resume_writing")
-
-    def _notify_app(self, name: str) -> None:
-        app = self._proto._app
-        try:
-            getattr(app, name)()
-        except Exception as exc:  # an application bug: report, carry on
-            self._loop.call_exception_handler({
-                "message": f"protocol.{name}() failed",
-                "exception": exc, "transport": self, "protocol": app,
-            })
+            self._loop.add_writer(self._wfd, self._flush)
 
     def _send_eof(self) -> None:
         self._eof_sent = True
@@ -682,21 +588,12 @@ class SlabTransport(asyncio.Transport):
             try:
                 sock.shutdown(socket.SHUT_WR)
             except OSError as exc:
-                self._write_failed(exc)
+                self._abort(exc)
 
-    def _fail_writes(self, exc: BaseException) -> None:
-        self._out.fail(exc)
-        for req in self._tls_held + self._tls_reqs:
-            req._finish(exc)
-        self._tls_reqs = []
-        self._tls_held = []
-        self._tls_plain = []
-        self._tls_plain_bytes = 0
+    # ------------------------------------------------ the protocol's side
 
-    def _write_failed(self, exc: OSError) -> None:
-        self._abort(exc)
-
-    # ------------------------------------------------ from SlabProtocol
+    def _eof_received(self) -> None:
+        self._peer_eof = True
 
     def _outlive_raw(self) -> bool:
         """The loop closed its transport with our bytes still queued: send them.
@@ -710,9 +607,9 @@ class SlabTransport(asyncio.Transport):
         lost for good. True if the loss is deferred until then. Only a
         graceful close gets here; an abort or a reset drops the queue.
         """
-        if self._sock is None or self._state is _State.HANDSHAKING:
+        if self._sock is None:
             return False
-        self._flush()  # (TLS: encrypts this iteration's plaintext first)
+        self._flush()
         if not self._out or self._sock is None:
             return False
         self._raw_gone = True
@@ -721,11 +618,10 @@ class SlabTransport(asyncio.Transport):
         return True
 
     def _connection_lost(self, exc: BaseException | None) -> BaseException | None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        """The loop's transport is gone: end every write; return the error
+        the connection ended with (ours, from an abort, before the loop's)."""
         err = self._error or exc
-        self._fail_writes(err or ConnectionResetError("connection lost with data unsent"))
+        self._out.fail(err or ConnectionResetError("connection lost with data unsent"))
         self._close_sock()
         self._state = _State.CLOSED  # always allowed: the loop says so
         self._closing = True
@@ -733,13 +629,6 @@ class SlabTransport(asyncio.Transport):
 
     def __repr__(self) -> str:
         return f"<SlabTransport {self._state.value} raw={self._raw!r}>"
-
-
-_TLS_EXTRA: Final = frozenset(
-    {"ssl_object", "peercert", "cipher", "compression", "sslcontext", "peercert_bin",
-     # TLSEngine.get_extra_info's own names, beyond asyncio's
-     "server_hostname", "tls_version", "alpn_protocol", "session", "session_reused"}
-)
 
 
 def _dup(raw_sock: Any) -> int:
@@ -779,10 +668,13 @@ class SlabProtocol(asyncio.BufferedProtocol):
 
     Pass it to ``loop.create_connection``/``create_server`` (as a factory
     returning new instances). It hands read-only chunks to ``app`` (a
-    ``ChunkProtocol``) and gives ``app`` a ``SlabTransport``. With ``ssl``, it
-    runs slabnet's own TLS over the plain transport; a TCP FIN without
-    close_notify is EOF, as in asyncio, unless ``ssl_ragged_eof=False``
-    (then ``TLSTruncatedError``, after every byte).
+    ``ChunkProtocol``) and gives ``app`` a ``SlabTransport``. With ``ssl``,
+    slabnet's TLS layer (``TLSTransport``) sits between the two: it is this
+    protocol's upper protocol, and ``app`` gets it as its transport. A TCP
+    FIN without close_notify is EOF, as in asyncio, unless
+    ``ssl_ragged_eof=False`` (then ``TLSTruncatedError``, after every byte).
+    ``handshake_waiter`` gets the result once ``app`` has its transport (or
+    the exception that prevented it).
     """
 
     def __init__(
@@ -800,38 +692,43 @@ class SlabProtocol(asyncio.BufferedProtocol):
         handshake_waiter: asyncio.Future[None] | None = None,
         slab: ReadSlab | None = None,
     ) -> None:
-        self._loop = loop or asyncio.get_running_loop()
-        res = _loop_resources(self._loop)
+        self.loop = loop or asyncio.get_running_loop()
+        res = _loop_resources(self.loop)
         self._slab = slab or res.slab
         self._pool = res.pool
-        self._app: Any
-        self._deliver: Callable[[memoryview], None]
-        self._set_app(app)
-        self._tls: TLSEngine | None = None
-        self._ssl_args: tuple[Any, ...] | None = None
-        if ssl is not None:
-            self._ssl_args = (ssl, server_side, server_hostname, ssl_ragged_eof, ssl_session)
-        self._handshake_timeout = (
-            SSL_HANDSHAKE_TIMEOUT if ssl_handshake_timeout is None else ssl_handshake_timeout
-        )
-        self._shutdown_timeout = (
-            SSL_SHUTDOWN_TIMEOUT if ssl_shutdown_timeout is None else ssl_shutdown_timeout
-        )
         self._waiter = handshake_waiter
+        # Plain: the app is ready when it has its transport. With TLS the
+        # layer above tells the waiter, after the handshake.
+        self._ready_when_made = ssl is None
+        upper: Any = app
+        if ssl is not None:
+            from ._tls_transport import TLSTransport
+
+            upper = TLSTransport(
+                app, self.loop, ssl, server_side=server_side,
+                server_hostname=server_hostname,
+                ssl_handshake_timeout=ssl_handshake_timeout,
+                ssl_shutdown_timeout=ssl_shutdown_timeout,
+                ssl_ragged_eof=ssl_ragged_eof, ssl_session=ssl_session,
+                waiter=handshake_waiter,
+            )
+        self.upper: Any
+        self._deliver: Any
+        self._borrows = False
+        self.set_upper(upper)
         self._raw: asyncio.Transport | None = None  # the loop's transport
         self._transport: SlabTransport | None = None
-        self._raw_eof = False
-        self._tls_closed = False  # the read side is over (close_notify, EOF, failure)
+        self._upper_made = False  # the upper protocol's connection_made was called
         self._lost = False
-        self._upgrading = False
-        self._app_made = False  # the app's connection_made was called
 
-    def _set_app(self, app: asyncio.BaseProtocol) -> None:
-        deliver = getattr(app, "chunk_received", None)
+    def set_upper(self, upper: Any) -> None:
+        """Make ``upper`` the protocol that gets this connection's chunks."""
+        deliver = getattr(upper, "chunk_received", None)
         if deliver is None:
-            raise TypeError(f"{app!r} has no chunk_received(): not a ChunkProtocol")
-        self._app = app
+            raise TypeError(f"{upper!r} has no chunk_received(): not a ChunkProtocol")
+        self.upper = upper
         self._deliver = deliver
+        self._borrows = bool(getattr(upper, "borrows_chunks", False))
 
     # ------------------------------------------------ loop callbacks
 
@@ -840,107 +737,46 @@ class SlabProtocol(asyncio.BufferedProtocol):
         transport = cast(asyncio.Transport, transport)
         self._raw = transport
         try:
-            if self._ssl_args is not None:
-                from ._tls import TLSEngine
-
-                ctx, server_side, hostname, ragged, session = self._ssl_args
-                # Raises for a bad server_hostname (UnicodeError, ValueError)
-                # or a client context on the server side (ssl.SSLError).
-                self._tls = TLSEngine(
-                    ctx, server_side=server_side, server_hostname=hostname,
-                    session=session, ragged_eof=ragged,
-                )
-            self._transport = tr = SlabTransport(self, transport)
-        except Exception as exc:
-            # Nothing may be read as plaintext on a connection meant for TLS.
-            self._tls = None
-            self._fail(exc, "slabnet: could not set up the connection")
+            self._transport = tr = SlabTransport(self, transport, self._pool)
+        except Exception as exc:  # (os.dup: EMFILE)
+            self._setup_failed(exc)
             return
-        if self._tls is None:
-            if self._tell_app_made(tr) and self._waiter is not None and not self._waiter.done():
-                self._waiter.set_result(None)
-            return
-        tr._timer = self._loop.call_later(self._handshake_timeout, self._handshake_timed_out)
-        self._tls_handshake()
-
-    def _tell_app_made(self, tr: SlabTransport) -> bool:
-        """Call the app's connection_made; False (connection failed) if it raised."""
-        self._app_made = True
+        self._upper_made = True
         try:
-            self._app.connection_made(tr)
+            self.upper.connection_made(tr)
         except Exception as exc:
-            self._app_failed(exc, "connection_made")
-            return False
-        return True
+            self.loop.call_exception_handler({
+                "message": "slabnet: protocol.connection_made() failed",
+                "exception": exc, "protocol": self.upper, "transport": tr,
+            })
+            self._fail(exc)
+            return
+        waiter = self._waiter
+        if self._ready_when_made and waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if self._tls is not None:
-            tr = self._transport
-            if tr is not None and tr._reading_paused:
-                # The app paused reading: take in only a little (the socket
-                # is paused after this read, in buffer_updated; uvloop must
-                # not be paused from get_buffer).
-                return self._slab.reserve_lent()[:_PAUSED_READ]
+        if self._borrows:
             return self._slab.reserve_lent()
         return self._slab.reserve(sizehint)
 
     def buffer_updated(self, nbytes: int) -> None:
-        tls = self._tls
-        if tls is None:
-            self._deliver(self._slab.commit(nbytes))
-            return
-        # Ciphertext is only lent: the engine copies it into its BIO before
-        # this callback returns, so no chunk is made and no slab is pinned.
-        data = self._slab.consume(nbytes)
-        tr = self._transport
-        if tr is not None and tr._state is _HANDSHAKING:
-            # Lent too: the read that completes the handshake may carry a
-            # burst of data behind it, which must go into the BIO by pieces
-            # like every other read.  What the handshake leaves of the read
-            # is delivered whole, as below, before the rest is released.
-            tls.lend_data(data)
-            try:
-                self._tls_handshake()
-                state: _State = tr._state  # (changed by the handshake)
-                if state is _State.OPEN and tls.buffered_ciphertext:
-                    self._tls_pump(True)
-            finally:
-                tls.release_lent()
+        if self._borrows:
+            # Only lent: the upper protocol copies it before returning, so
+            # no chunk is made and no slab is pinned.
+            self._deliver(self._slab.consume(nbytes))
         else:
-            # A whole read is delivered even if the app pauses during it (as
-            # asyncio does).  A read made while paused is not delivered, and
-            # pauses the socket (pause_reading() leaves that to the next read).
-            paused = False
-            if tr is not None and tr._reading_paused:
-                paused = True
-                if not tr._raw_paused:
-                    tr._pause_raw()
-            self._tls_pump(not paused, False, data)
+            self._deliver(self._slab.commit(nbytes))
 
     def eof_received(self) -> bool | None:
-        self._raw_eof = True
-        tls = self._tls
         tr = self._transport
         if tr is None:
             return None  # the connection is already gone
-        if tls is None:
-            keep_open = self._app.eof_received()
-            if not keep_open:
-                tr.close()
-            return True
-        if tr._state is _State.HANDSHAKING:
-            tls.receive_eof()
-            self._tls_handshake()
-            return True
-        # The peer's FIN ends its direction only: ours stays open until our
-        # close. Encrypt what the app wrote this iteration now, while the
-        # engine still takes plaintext (a FIN without close_notify breaks
-        # it when strict), so all of it is sent before the socket closes.
-        if tr._tls_plain and tr._state is _State.OPEN:
-            tr._flush()
-        tls.receive_eof()
-        self._tls_pump(force=True)
-        return True
+        tr._eof_received()
+        keep_open = self.upper.eof_received()
+        if not keep_open:
+            tr.close()
+        return True  # the loop's transport stays: our close() ends it
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._lost:
@@ -954,19 +790,13 @@ class SlabProtocol(asyncio.BufferedProtocol):
             if waiter is not None and not waiter.done():
                 waiter.set_exception(exc or ConnectionResetError("connection lost"))
             return
-        if self._tls is not None and tr._state is not _State.HANDSHAKING and not self._tls_closed:
-            # Deliver every byte that was decrypted before the connection went.
-            self._tls_pump(force=True, final=True)
-        handshaking = tr._state is _State.HANDSHAKING
         err = tr._connection_lost(exc)
         waiter = self._waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_exception(err or ConnectionResetError(
-                "connection lost during the TLS handshake" if handshaking else "connection lost"
-            ))
+        if self._ready_when_made and waiter is not None and not waiter.done():
+            waiter.set_exception(err or ConnectionResetError("connection lost"))
         self._transport = None
-        if self._app_made:  # (a STARTTLS handshake too: the app has its transport)
-            self._app.connection_lost(err)
+        if self._upper_made:
+            self.upper.connection_lost(err)
 
     def pause_writing(self) -> None:  # the loop transport never writes
         pass
@@ -974,219 +804,27 @@ class SlabProtocol(asyncio.BufferedProtocol):
     def resume_writing(self) -> None:
         pass
 
-    # ------------------------------------------------ TLS
-
-    async def start_tls(
-        self,
-        sslcontext: ssl.SSLContext,
-        *,
-        server_side: bool = False,
-        server_hostname: str | None = None,
-        ssl_handshake_timeout: float | None = None,
-        ssl_shutdown_timeout: float | None = None,
-        ssl_ragged_eof: bool = True,
-        ssl_session: Any = None,
-    ) -> None:
-        """Upgrade this plain connection to TLS (STARTTLS) and wait for it.
-
-        Bytes written before the call go out in plaintext first; every byte
-        read after it is ciphertext.
-        """
-        from ._tls import TLSEngine
-
-        tr = self._transport
-        if self._tls is not None:
-            raise RuntimeError("the connection already uses TLS")
-        if tr is None or tr.is_closing():
-            raise ConnectionResetError("cannot start TLS on a closed connection")
-        if not server_side and not server_hostname and sslcontext.check_hostname:
-            raise ValueError("start_tls() on a client needs server_hostname")
-        self._tls = TLSEngine(
-            sslcontext, server_side=server_side, server_hostname=server_hostname,
-            session=ssl_session, ragged_eof=ssl_ragged_eof,
-        )
-        if ssl_handshake_timeout is not None:
-            self._handshake_timeout = ssl_handshake_timeout
-        if ssl_shutdown_timeout is not None:
-            self._shutdown_timeout = ssl_shutdown_timeout
-        self._waiter = waiter = self._loop.create_future()
-        self._upgrading = True
-        tr._set_state(_State.HANDSHAKING)
-        tr._timer = self._loop.call_later(self._handshake_timeout, self._handshake_timed_out)
-        self._tls_handshake()
-        await waiter
-
-    def _tls_handshake(self) -> None:
-        tls = self._tls
-        tr = self._transport
-        assert tls is not None and tr is not None
-        try:
-            done = tls.do_handshake()
-        except Exception as exc:
-            tr._send_tls_output()
-            self._fail(exc)
-            return
-        tr._send_tls_output()
-        if not done:
-            if self._raw_eof:
-                self._fail(ConnectionResetError("peer closed the connection during the TLS handshake"))
-            return
-        if tr._timer is not None:
-            tr._timer.cancel()
-            tr._timer = None
-        tr._set_state(_State.OPEN)
-        if self._upgrading:
-            self._upgrading = False  # STARTTLS: the app has its transport
-        elif not self._tell_app_made(tr):
-            return
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-        if tr._tls_plain:
-            tr._flush()
-        self._tls_pump()
-
-    def _handshake_timed_out(self) -> None:
-        tr = self._transport
-        if tr is None:
-            return
-        tr._timer = None
-        if tr._state is _State.HANDSHAKING:
-            # asyncio's own words (sslproto.py), so that code matching its
-            # message keeps working.
-            self._fail(HandshakeTimeoutError(
-                f"SSL handshake is taking longer than {self._handshake_timeout}"
-                " seconds: aborting the connection"
-            ))
-
-    def _tls_pump(
-        self, force: bool = False, final: bool = False, data: memoryview | None = None
-    ) -> None:
-        """Deliver decrypted chunks until the engine needs more input.
-
-        ``data`` is new ciphertext, lent: the engine may keep a reference to
-        it while it decrypts and must have copied it all before we return.
-        ``final``: from ``connection_lost``; deliver what is left, report
-        nothing but through ``tr._error``.
-
-        Errors from the engine and from the app are kept apart: the engine's
-        end the read side (after every byte before them), the app's are its
-        bugs, reported to the loop's exception handler whatever the state.
-        """
-        tls = self._tls
-        tr = self._transport
-        if tls is None:
-            return
-        if tr is None or self._tls_closed or isinstance(tr._error, LocalAbortError):
-            if data is not None:
-                tls.receive_data(data)  # an engine that is done ignores it
-            return
-        deliver = self._deliver
-        if data is not None:
-            tls.lend_data(data)
-        app_error: Exception | None = None
-        try:
-            while force or not tr._reading_paused:
-                chunk = tls.read_chunk()
-                if chunk is None:
-                    break
-                if not chunk:
-                    self._tls_closed = True
-                    break
-                try:
-                    deliver(chunk)
-                except Exception as exc:
-                    app_error = exc
-                    break
-                if isinstance(tr._error, LocalAbortError):
-                    return  # abort() from chunk_received: that was the last
-        except Exception as exc:
-            if final:
-                tr._error = tr._error or exc
-            elif tr._state is _State.CLOSING:
-                # We asked to close; the peer went without its close_notify.
-                self._tls_closed = True
-                tr._maybe_close_raw()
-            elif isinstance(exc, TLSTruncatedError) and self._raw_eof:
-                # Strict: the peer's FIN came without close_notify. Only its
-                # direction is over: what we queued still goes out, then the
-                # app learns of the truncation in connection_lost.
-                self._tls_closed = True
-                tr._close_after(exc)
-            else:
-                tr._send_tls_output()
-                self._fail(exc)
-            return
-        finally:
-            if data is not None:
-                tls.release_lent()
-        if app_error is not None:
-            self._app_failed(app_error, "chunk_received", final)
-            return
-        if final:
-            return
-        tr._send_tls_output()
-        if self._tls_closed:
-            self._tls_eof()
-
-    def _tls_eof(self) -> None:
-        tr = self._transport
-        assert tr is not None
-        if tr._state is _State.CLOSING:
-            tr._maybe_close_raw()
-            return
-        try:
-            keep_open = self._app.eof_received()
-        except Exception as exc:
-            self._app_failed(exc, "eof_received")
-            return
-        if keep_open:
-            log.debug("%r: eof_received() returned True, ignored over TLS", self._app)
-        tr.close()
-
     # ------------------------------------------------ failure
 
-    def _fail(self, exc: BaseException, setup: str | None = None) -> None:
-        """The one failure path: end the connection with ``exc``.
-
-        ``exc`` goes to whoever waits for this connection: the waiter of
-        ``open_connection``/``start_tls`` if it still waits, and the app's
-        ``connection_lost`` if the app has seen ``connection_made``. A local
-        failure to set the connection up (``setup``: the message) that
-        neither would see -- a server's incoming connection -- goes to the
-        loop's exception handler. (A handshake the peer fails is not
-        reported there: asyncio reports those only in debug mode.) Then
-        the loop's transport is aborted: the socket closes at once and
-        nothing more is read, so nothing is buffered or delivered after
-        the failure.
-        """
-        self._tls_closed = True
+    def _setup_failed(self, exc: BaseException) -> None:
+        """The plain connection could not be set up: tell whoever waits for
+        it, or the loop's exception handler (a server's incoming
+        connection), and abort the loop's transport."""
         waiter = self._waiter
-        told = self._app_made
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
-            told = True
-        if setup is not None and not told:
-            self._loop.call_exception_handler({
-                "message": setup, "exception": exc, "protocol": self, "transport": self._raw,
+        else:
+            self.loop.call_exception_handler({
+                "message": "slabnet: could not set up the connection",
+                "exception": exc, "protocol": self, "transport": self._raw,
             })
+        assert self._raw is not None
+        self._raw.abort()
+
+    def _fail(self, exc: BaseException) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
         tr = self._transport
         if tr is not None:
-            tr._abort(exc)
-        elif self._raw is not None and not self._lost:
-            self._raw.abort()
-
-    def _app_failed(self, exc: Exception, name: str, final: bool = False) -> None:
-        """The app's callback ``name`` raised: an application bug. Report it
-        to the loop's exception handler (as the loops do for a protocol's
-        ``data_received``) and end the connection with it."""
-        self._loop.call_exception_handler({
-            "message": f"slabnet: protocol.{name}() failed",
-            "exception": exc, "protocol": self._app, "transport": self._transport,
-        })
-        if final:  # connection_lost is running: it reports tr._error
-            self._tls_closed = True
-            tr = self._transport
-            if tr is not None:
-                tr._error = tr._error or exc
-            return
-        self._fail(exc)
+            tr.abort(exc)

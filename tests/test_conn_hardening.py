@@ -425,10 +425,14 @@ async def test_app_exception_reaches_the_exception_handler(
         if where == "closing":
             app.transport.close()  # TLS shutdown: waiting for the peer's close_notify
         elif where == "lost":
-            app.transport.pause_reading()  # what arrives waits in the engine
+            # What arrives must wait in the engine: the TLS layer is paused
+            # and the plain connection under it reads on (as after a
+            # STARTTLS whose app resumes the plain transport it still holds).
+            app.transport.pause_reading()
+            app.transport._lower.resume_reading()
         ready.set()
         if where == "lost":
-            engine = app.transport._proto._tls
+            engine = app.transport._engine
             async with asyncio.timeout(WAKE):
                 while not engine.buffered_ciphertext:
                     await asyncio.sleep(0.005)
@@ -456,16 +460,18 @@ async def test_app_exception_reaches_the_exception_handler(
 # ---------------------------------------------------------------- item 18
 
 
+@pytest.mark.parametrize("waiting_in", ["engine", "socket"])
 @pytest.mark.asyncio
 async def test_close_while_paused_reads_what_arrived(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
+    listener: socket.socket, server_cert: Any, tls_ca: Any, waiting_in: str
 ) -> None:
-    # Reading is paused; data and the peer's close_notify arrive and wait in
-    # the engine. close() must read them: the peer then sends nothing more,
-    # and waiting for a read that never comes ended in ShutdownTimeoutError
-    # after 30 s.
+    # Reading is paused; data and the peer's close_notify arrive and wait,
+    # in the engine or in the socket. close() must read them: the peer then
+    # sends nothing more, and waiting for a read that never comes ended in
+    # ShutdownTimeoutError after 30 s.
     app = App()
     ready = asyncio.Event()
+    sent = asyncio.Event()
 
     async def peer() -> None:
         tls = RawTLS(
@@ -475,6 +481,7 @@ async def test_close_while_paused_reads_what_arrived(
         await tls.handshake()
         await ready.wait()
         await tls.send(tls.seal(b"y" * 300) + tls.close_notify())
+        sent.set()
         await tls.linger(10)  # until we close
 
     task = asyncio.create_task(peer())
@@ -485,10 +492,15 @@ async def test_close_while_paused_reads_what_arrived(
     )
     await asyncio.wait_for(app.made, WAKE)
     app.transport.pause_reading()
+    engine = app.transport._engine
+    if waiting_in == "engine":
+        # The plain connection under the paused TLS layer reads on (as after
+        # a STARTTLS whose app resumes the plain transport it still holds).
+        app.transport._lower.resume_reading()
     ready.set()
-    engine = app.transport._proto._tls
     async with asyncio.timeout(WAKE):
-        while not engine.buffered_ciphertext:
+        await sent.wait()
+        while waiting_in == "engine" and not engine.buffered_ciphertext:
             await asyncio.sleep(0.005)
     assert not app.chunks
     app.transport.close()
@@ -615,7 +627,7 @@ async def test_plaintext_openssl_holds_when_paused_is_delivered(
         def chunk_received(self, chunk: memoryview) -> None:
             super().chunk_received(chunk)
             if len(self.chunks) == 1:
-                engine = self.transport._proto._tls
+                engine = self.transport._engine
                 at_pause.append((engine.buffered_ciphertext, engine.ssl_object.pending()))
                 self.transport.pause_reading()
                 loop.call_later(0.05, self.transport.resume_reading)

@@ -495,11 +495,11 @@ async def test_consumer_that_never_reads_does_not_grow(server_cert: Any, tls_ca:
     else:
         # A TLS read is delivered whole even if the stream pauses during it
         # (as asyncio's SSL transport does), so the stream may hold one read
-        # more.  The next read, made while paused, takes in at most 1 KiB and
-        # pauses the socket itself: the BIO keeps a partial record and that.
+        # more; the pause pauses the socket at once, so the BIO keeps no more
+        # than a partial record.
         assert s_reader._size <= 2 * LIMIT + LEND_SIZE, s_reader._size
-        assert not s_writer.transport._raw.is_reading()
-        engine = s_writer.transport._proto._tls
+        assert not s_writer.transport._lower.is_reading()  # the socket
+        engine = s_writer.transport._engine
         assert engine.buffered_ciphertext <= 32 * 1024, engine.buffered_ciphertext
     assert rss() - rss_before < 48 * 1024 * 1024
     writer.transport.abort()

@@ -586,7 +586,7 @@ async def test_stream_invalid_header_split_across_reads(
         assert await reader.readexactly(len(plain)) == plain
         # Wait until the engine has taken in the start of the header, so
         # that its end comes with another read.
-        engine = writer.transport._proto._tls  # type: ignore[attr-defined]
+        engine = writer.transport._engine  # type: ignore[attr-defined]
         await sent_first
         while len(engine._scanner._partial) < cut:
             await asyncio.sleep(0.005)

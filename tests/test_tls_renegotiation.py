@@ -54,7 +54,7 @@ async def test_write_request_waits_for_plaintext_held_by_a_renegotiation(
 
         ctx = ssl.create_default_context(cafile=pem_files["ca"])
         reader, writer = await connect_retry(port, ssl=ctx, server_hostname="localhost")
-        engine = writer.transport._proto._tls
+        engine = writer.transport._engine
         sock = writer.get_extra_info("socket")
         fd = sock.fileno()
         # A send buffer of our own size: the backlog below does not depend on

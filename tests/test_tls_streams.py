@@ -478,16 +478,14 @@ async def test_no_byte_lost_when_the_end_arrives_while_paused(
 
 
 @pytest.mark.asyncio
-async def test_pausing_a_tls_stream_pauses_the_socket_lazily(
+async def test_pausing_a_tls_stream_pauses_the_socket_and_bounds_the_bio(
     server_cert: Any, tls_ca: Any
 ) -> None:
-    # Each 256 KiB read is delivered whole, which takes the stream over its
-    # high-water mark and pauses reading.  pause_reading() leaves the socket
-    # alone: only a read made while paused (at most 1 KiB) pauses it.  On the
-    # asyncio loop the consumer drains the stream before the next read, so
-    # the socket is never paused; libuv reads again at once, so on uvloop
-    # each pause costs one small read and one socket pause.  Every byte
-    # arrives either way.
+    # Each read is delivered whole, which may take the stream over its
+    # high-water mark and pause reading.  The pause reaches the socket at
+    # once (the plain connection under the TLS layer pauses), so while the
+    # stream is paused nothing more is read: the engine's BIO keeps at most
+    # a partial record.  Every byte arrives.
     payload = os.urandom(16 * 1024 * 1024)
 
     async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
@@ -500,32 +498,35 @@ async def test_pausing_a_tls_stream_pauses_the_socket_lazily(
     reader, writer = await slabnet.open_connection(
         "127.0.0.1", port, ssl=client_ctx(tls_ca), server_hostname="localhost"
     )
+    loop = asyncio.get_running_loop()
     try:
         tr = writer.transport
-        counts = {"app": 0, "raw": 0}
-        pause, pause_raw = tr.pause_reading, tr._pause_raw
+        engine = tr._engine  # type: ignore[union-attr]
+        pauses: list[bool] = []  # was the socket reading right after the pause?
+        resumes: list[tuple[bool, int]] = []  # socket reading, BIO bytes, at resume
+        pause, resume = tr.pause_reading, tr.resume_reading
 
         def counted_pause() -> None:
-            counts["app"] += 1
             pause()
+            pauses.append(tr._lower.is_reading())  # type: ignore[union-attr]
 
-        def counted_pause_raw() -> None:
-            counts["raw"] += 1
-            assert tr._proto._tls.buffered_ciphertext <= 20 * 1024  # a partial record + 1 KiB
-            pause_raw()
+        def counted_resume() -> None:
+            resumes.append((tr._lower.is_reading(), engine.buffered_ciphertext))  # type: ignore[union-attr]
+            resume()
 
         tr.pause_reading = counted_pause  # type: ignore[method-assign]
-        tr._pause_raw = counted_pause_raw  # type: ignore[method-assign]
+        tr.resume_reading = counted_resume  # type: ignore[method-assign]
         digest = hashlib.sha256()
         got = 0
         async for chunk in reader.chunks():
             digest.update(chunk)
             got += len(chunk)
         assert got == len(payload) and digest.digest() == hashlib.sha256(payload).digest()
-        assert counts["app"] > 0, "the stream never paused"
-        assert counts["raw"] <= counts["app"], counts
-        if isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop):
-            assert counts["raw"] == 0, counts
+        assert pauses and resumes, "the stream never paused"
+        assert not any(pauses)
+        for socket_reading, buffered in resumes:
+            assert not socket_reading
+            assert buffered <= 16 * 1024 + 256, buffered  # a partial record
     finally:
         writer.transport.abort()
         server.close()
@@ -824,13 +825,13 @@ async def test_starttls_after_reading_was_paused(server_cert: Any, tls_ca: Any) 
         assert await reader.readline() == b"220 go ahead\r\n"
         tr = writer.transport
         tr.pause_reading()
-        assert not tr.is_reading() and not tr._raw.is_reading()
+        assert not tr.is_reading()
         upgrade = asyncio.create_task(writer.start_tls(client_ctx(tls_ca), server_hostname="localhost"))
         await asyncio.sleep(0.2)
         assert not upgrade.done()  # the handshake cannot read yet
         tr.resume_reading()
         await asyncio.wait_for(upgrade, 10)
-        assert tr._raw.is_reading()
+        assert tr.is_reading() and writer.transport.is_reading()
         writer.write(b"after the pause\n")
         assert await asyncio.wait_for(reader.readline(), 10) == b"AFTER THE PAUSE\n"
         assert len(upgraded) == 1

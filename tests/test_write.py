@@ -347,7 +347,7 @@ async def test_tls_writes_of_one_iteration_are_encrypted_together(
     reader, writer = await slabnet.open_connection(
         "127.0.0.1", port, ssl=tls_client_context, server_hostname="localhost"
     )
-    engine = writer.transport._proto._tls
+    engine = writer.transport._engine
     before = engine.write_calls
     pieces = [os.urandom(100) for _ in range(100)]  # 10 000 bytes: one record
     for p in pieces:

@@ -218,7 +218,7 @@ async def test_closing_the_loop_transport_sends_the_queue_first(
 ) -> None:
     # What close_clients() does to each connection, on every version and loop.
     def close_raw(server: asyncio.Server, writer: slabnet.StreamWriter) -> None:
-        writer.transport._raw.close()
+        getattr(writer.transport, "_lower", writer.transport)._raw.close()
 
     await check_graceful_end_of_loop_transport(
         close_raw, tls, tls_server_context, tls_client_context

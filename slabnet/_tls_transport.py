@@ -1,0 +1,709 @@
+"""The TLS layer: ``TLSTransport``, between a plain connection and the app.
+
+Theory of operation
+-------------------
+A ``TLSTransport`` has two faces, and only public calls cross either::
+
+    app (ChunkProtocol)    calls write(), close(), pause_reading(), ...
+      ^ chunk_received(plaintext), connection_made(self), ...
+    TLSTransport           drives one TLSEngine (sans-IO, ``_tls.py``)
+      v write()/writelines(ciphertext), pause_reading(), close(), abort(exc)
+      ^ chunk_received(ciphertext), eof_received(), connection_lost(), ...
+    SlabTransport          the plain connection (``_transport.py``)
+
+To the plain connection below it is the protocol (a ``ChunkProtocol`` with
+``borrows_chunks = True``); to the application above it is the transport.
+It is the one object that knows about TLS: the plain connection carries
+ciphertext as it would carry any bytes.
+
+Reads. Ciphertext arrives lent: it is a view of the loop's lending buffer,
+valid only during ``chunk_received``. The engine takes it into its BIO by
+pieces while it decrypts and copies the rest before the call returns
+(``lend_data``/``release_lent``), so ciphertext never pins a slab. The
+decrypted chunks -- coalesced records, each in a buffer of its own exact
+size -- go to the app. A whole read is delivered even if the app pauses
+reading during it (as asyncio's SSL transport does); pausing pauses the
+plain connection at once, so nothing more is read until the app resumes.
+
+Writes. Plaintext written during a loop iteration is gathered and encrypted
+in one ``write_many`` at the end of it (or once ``CORK_LIMIT`` bytes wait),
+so records are as full as possible; the ciphertext goes to the plain
+connection in one ``writelines``, as pieces, never joined. A write that
+cannot be sent at once (the plain connection has a queue, or the handshake
+is not done) gets a ``WriteRequest``, which completes once its ciphertext
+has been sent (``SlabTransport.track``).
+
+Closing. ``close()`` encrypts what is gathered, sends close_notify and keeps
+reading until the peer's close_notify (or its FIN) ends the read side; then
+it closes the plain connection, which sends what it still queues first. The
+shutdown timeout bounds the wait.
+
+Failure. ``_fail`` is the one path for every error that ends the
+connection: the handshake's, the engine's and the app's callbacks'. The
+waiter of ``open_connection``/``start_tls`` or the app's
+``connection_lost`` gets the error, after every byte decrypted before it.
+
+Lifecycle: one enum, ``_Stage`` (HANDSHAKE, READY, SHUTDOWN, DONE), one
+gate (``_set_stage``). The engine's ``TLSState`` is the TLS session's own
+state; the stage is the connection's, as the app sees it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import ssl
+from collections.abc import Iterable
+from typing import Any, Final
+
+from ._errors import (
+    HandshakeTimeoutError,
+    LocalAbortError,
+    ShutdownTimeoutError,
+    TLSTruncatedError,
+)
+from ._tls import TLSEngine
+from ._transport import CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep
+from ._write import WriteRequest
+
+__all__ = ["TLSTransport"]
+
+log = logging.getLogger("slabnet")
+
+#: asyncio's defaults (asyncio.constants): 60 s handshake, 30 s shutdown.
+SSL_HANDSHAKE_TIMEOUT: Final = 60.0
+SSL_SHUTDOWN_TIMEOUT: Final = 30.0
+
+#: The names get_extra_info answers from the engine, not from the socket.
+_TLS_EXTRA: Final = frozenset(
+    {"ssl_object", "peercert", "cipher", "compression", "sslcontext", "peercert_bin",
+     # TLSEngine.get_extra_info's own names, beyond asyncio's
+     "server_hostname", "tls_version", "alpn_protocol", "session", "session_reused"}
+)
+
+
+class _Stage(enum.Enum):
+    HANDSHAKE = "handshake"  # the app has no transport yet (or STARTTLS waits)
+    READY = "ready"  # reading and writing
+    SHUTDOWN = "shutdown"  # close()/abort() called: close_notify exchange, flush
+    DONE = "done"  # connection_lost delivered
+
+
+_STAGES: Final = {
+    _Stage.HANDSHAKE: {_Stage.READY, _Stage.SHUTDOWN, _Stage.DONE},
+    _Stage.READY: {_Stage.SHUTDOWN, _Stage.DONE},
+    _Stage.SHUTDOWN: {_Stage.DONE},
+    _Stage.DONE: set(),
+}
+
+
+class TLSTransport(WriteGate, asyncio.Transport):
+    """The transport of a TLS connection, and the protocol of the plain
+    connection under it. Made by ``SlabProtocol(app, ssl=...)`` and by
+    ``SlabTransport.start_tls``."""
+
+    #: To the plain connection: ciphertext is copied into the engine before
+    #: chunk_received returns.
+    borrows_chunks: Final = True
+
+    def __init__(
+        self,
+        app: asyncio.BaseProtocol,
+        loop: asyncio.AbstractEventLoop,
+        sslcontext: ssl.SSLContext,
+        *,
+        server_side: bool = False,
+        server_hostname: str | None = None,
+        ssl_handshake_timeout: float | None = None,
+        ssl_shutdown_timeout: float | None = None,
+        ssl_ragged_eof: bool = True,
+        ssl_session: Any = None,
+        waiter: asyncio.Future[None] | None = None,
+        upgrade: bool = False,
+    ) -> None:
+        super().__init__()
+        self._loop = loop
+        self._app: Any
+        self._deliver: Any
+        self.set_protocol(app)
+        self._engine_args = (sslcontext, server_side, server_hostname, ssl_ragged_eof, ssl_session)
+        self._handshake_timeout = (
+            SSL_HANDSHAKE_TIMEOUT if ssl_handshake_timeout is None else ssl_handshake_timeout
+        )
+        self._shutdown_timeout = (
+            SSL_SHUTDOWN_TIMEOUT if ssl_shutdown_timeout is None else ssl_shutdown_timeout
+        )
+        self._waiter = waiter
+        self._upgrade = upgrade  # STARTTLS: the app has its (plain) transport
+        self._app_made = upgrade  # the app's connection_made was called
+        self._engine: TLSEngine | None = None
+        self._lower: SlabTransport | None = None
+        self._stage = _Stage.HANDSHAKE
+        self._closing = False  # SHUTDOWN or DONE: a hot check
+        self._timer: asyncio.TimerHandle | None = None  # handshake or shutdown
+        self._read_over = False  # read side ended: close_notify, EOF or failure
+        self._peer_eof = False  # the peer's TCP FIN arrived
+        self._error: BaseException | None = None  # what connection_lost reports
+        self._reading_paused = False
+        self._plain: list[memoryview] = []  # plaintext for the next flush
+        self._plain_bytes = 0
+        self._flush_scheduled = False
+        self._reqs: list[WriteRequest] = []  # waiting for encryption
+        # Requests whose plaintext the engine holds until a renegotiation
+        # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
+        self._held: list[WriteRequest] = []
+        self._init_gate()
+
+    # ------------------------------------------------ lifecycle gate
+
+    def _set_stage(self, new: _Stage) -> None:
+        if new not in _STAGES[self._stage]:
+            raise RuntimeError(f"slabnet TLS transport: {self._stage.value} -> {new.value}")
+        self._stage = new
+        self._closing = new is _Stage.SHUTDOWN or new is _Stage.DONE
+
+    def is_closing(self) -> bool:
+        return self._closing
+
+    def _writes_closed(self) -> bool:
+        lower = self._lower
+        return self._closing or lower is None or lower.is_closing()
+
+    # ================================================ the plain connection's side
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, SlabTransport)
+        self._lower = lower = transport
+        if self._upgrade:
+            low, high = lower.get_write_buffer_limits()
+            self.set_write_buffer_limits(high, low)
+        ctx, server_side, hostname, ragged, session = self._engine_args
+        try:
+            # Raises for a bad server_hostname (UnicodeError, ValueError)
+            # or a client context on the server side (ssl.SSLError).
+            self._engine = TLSEngine(
+                ctx, server_side=server_side, server_hostname=hostname,
+                session=session, ragged_eof=ragged,
+            )
+        except Exception as exc:
+            # Nothing may be read as plaintext on a connection meant for TLS.
+            self._fail(exc, "slabnet: could not set up the connection")
+            return
+        self._timer = self._loop.call_later(self._handshake_timeout, self._handshake_timed_out)
+        self._handshake()
+
+    def chunk_received(self, data: memoryview) -> None:
+        """Ciphertext from the plain connection, lent until we return."""
+        engine = self._engine
+        if engine is None:
+            return  # set-up failed: the connection is being aborted
+        if self._stage is not _Stage.HANDSHAKE:
+            # A whole read is delivered even if the app pauses during it.
+            self._pump(not self._reading_paused, False, data)
+            return
+        # The read that completes the handshake may carry a burst of data
+        # behind it: it goes into the BIO by pieces like every other read,
+        # and what the handshake leaves of it is delivered whole.
+        engine.lend_data(data)
+        try:
+            self._handshake()
+            stage: _Stage = self._stage  # (changed by the handshake)
+            if stage is _Stage.READY and engine.buffered_ciphertext:
+                self._pump(True)
+        finally:
+            engine.release_lent()
+
+    def eof_received(self) -> bool:
+        self._peer_eof = True
+        engine = self._engine
+        if engine is None:
+            return True
+        if self._stage is _Stage.HANDSHAKE:
+            engine.receive_eof()
+            self._handshake()
+            return True
+        # The peer's FIN ends its direction only: ours stays open until our
+        # close. Encrypt what the app wrote this iteration now, while the
+        # engine still takes plaintext (a FIN without close_notify breaks
+        # it when strict), so all of it is sent before the socket closes.
+        if self._plain and self._stage is _Stage.READY:
+            self._flush()
+        engine.receive_eof()
+        self._pump(force=True)
+        return True  # we close the plain connection ourselves
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        stage = self._stage
+        if stage is _Stage.DONE:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if self._error is None:
+            self._error = exc  # (an error of the final delivery comes second)
+        if self._engine is not None and stage is not _Stage.HANDSHAKE and not self._read_over:
+            # Deliver every byte that was decrypted before the connection went.
+            self._pump(force=True, final=True)
+        err = self._error
+        self._fail_writes(err or ConnectionResetError("connection lost with data unsent"))
+        self._stage = _Stage.DONE  # always allowed: the connection is gone
+        self._closing = True
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(err or ConnectionResetError(
+                "connection lost during the TLS handshake"
+                if stage is _Stage.HANDSHAKE else "connection lost"
+            ))
+        if self._app_made:
+            self._app.connection_lost(err)
+
+    def pause_writing(self) -> None:
+        self._check_pause()  # the plain connection's queue is part of ours
+
+    def resume_writing(self) -> None:
+        self._check_pause()
+
+    # ================================================ the app's side
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        engine = self._engine
+        if engine is not None and name in _TLS_EXTRA:
+            return engine.get_extra_info(name, default)
+        lower = self._lower
+        return default if lower is None else lower.get_extra_info(name, default)
+
+    def get_protocol(self) -> asyncio.BaseProtocol:
+        app: asyncio.BaseProtocol = self._app
+        return app
+
+    def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
+        deliver = getattr(protocol, "chunk_received", None)
+        if deliver is None:
+            raise TypeError(f"{protocol!r} has no chunk_received(): not a ChunkProtocol")
+        self._app = protocol
+        self._deliver = deliver
+
+    async def start_tls(self, *args: Any, **kwargs: Any) -> asyncio.Transport:
+        raise RuntimeError("the connection already uses TLS")
+
+    # ------------------------------------------------ reading
+
+    # The socket's state is the plain connection's; ours is only whether
+    # the app wants chunks. So a STARTTLS upgrade started while the plain
+    # transport was paused is resumed by either transport's resume_reading.
+
+    def is_reading(self) -> bool:
+        lower = self._lower
+        return (
+            not self._reading_paused and self._stage is not _Stage.DONE
+            and lower is not None and lower.is_reading()
+        )
+
+    def pause_reading(self) -> None:
+        if self._reading_paused or self._stage is _Stage.DONE:
+            return
+        self._reading_paused = True
+        assert self._lower is not None
+        self._lower.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self._stage is _Stage.DONE:
+            return
+        was_paused = self._reading_paused
+        self._reading_paused = False
+        assert self._lower is not None
+        self._lower.resume_reading()
+        engine = self._engine
+        if was_paused and engine is not None and engine.buffered_ciphertext:
+            # Records that arrived before the pause are delivered first.
+            self._loop.call_soon(self._pump)
+
+    # ------------------------------------------------ writing
+
+    def write(self, data: Any) -> WriteRequest | None:  # type: ignore[override]
+        """Encrypt and send ``data``; None if nothing is waiting for the
+        socket, else a WriteRequest that completes once it is sent."""
+        view = data if type(data) is bytes else _as_bytes_view(data)
+        n = len(view)
+        if not n:
+            return None
+        if self._closing or self._eof_requested:
+            if not self._check_writable():
+                return None
+        return self._gather(memoryview(view), n)
+
+    def writelines(self, list_of_data: Iterable[Any]) -> WriteRequest | None:  # type: ignore[override]
+        views = [v for v in map(_as_bytes_view, list_of_data) if v.nbytes]
+        if not views:
+            return None
+        if self._closing or self._eof_requested:
+            if not self._check_writable():
+                return None
+        req = None
+        for v in views:
+            req = self._gather(v, v.nbytes) or req
+        return req
+
+    def _gather(self, view: memoryview, n: int) -> WriteRequest | None:
+        # Encrypted at the end of the iteration: the caller may reuse its
+        # buffer before that.
+        self._plain.append(_keep(view))
+        self._plain_bytes += n
+        req = None
+        stage = self._stage
+        lower = self._lower
+        if stage is _Stage.HANDSHAKE or (lower is not None and lower.get_write_buffer_size()):
+            # Its ciphertext position is known once it is encrypted.
+            req = WriteRequest(n, -1)
+            self._reqs.append(req)
+        if stage is _Stage.READY:
+            if self._plain_bytes >= CORK_LIMIT:
+                self._flush()
+            elif not self._flush_scheduled:
+                self._flush_scheduled = True
+                self._loop.call_soon(self._flush_soon)
+        self._check_pause()
+        return req
+
+    def can_write_eof(self) -> bool:
+        return False
+
+    def write_eof(self) -> None:
+        raise NotImplementedError("write_eof() is not supported on TLS connections")
+
+    def get_write_buffer_size(self) -> int:
+        lower = self._lower
+        return self._plain_bytes + (0 if lower is None else lower.get_write_buffer_size())
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        super().set_write_buffer_limits(high, low)
+        if self._lower is not None:
+            # Its pause/resume calls tell us when to look again.
+            self._lower.set_write_buffer_limits(self._high, self._low)
+
+    # ------------------------------------------------ closing
+
+    def close(self) -> None:
+        stage = self._stage
+        if stage is _Stage.SHUTDOWN or stage is _Stage.DONE:
+            return
+        if stage is _Stage.HANDSHAKE:
+            # Nothing was exchanged with the application yet.
+            self._abort(LocalAbortError("closed during the TLS handshake"))
+            return
+        self._set_stage(_Stage.SHUTDOWN)
+        engine, lower = self._engine, self._lower
+        assert engine is not None and lower is not None
+        try:
+            self._encrypt()
+            engine.start_shutdown()
+        except Exception as exc:
+            # The engine broke on an earlier write (ssl.SSLError): no
+            # close_notify can follow. close() never raises (asyncio's
+            # does not): the connection ends with that error instead.
+            self._abort(exc)
+            return
+        self._send_output()
+        self._timer = self._loop.call_later(self._shutdown_timeout, self._shutdown_timed_out)
+        if self._read_over:
+            self._close_lower()  # the peer's close_notify came first
+            return
+        if self._reading_paused:
+            self._reading_paused = False
+            lower.resume_reading()
+        # What arrived while reading was paused (it may hold the peer's
+        # close_notify), and plaintext the shutdown took out of OpenSSL,
+        # is read now: nothing new may ever arrive to start the pump.
+        self._loop.call_soon(self._pump)
+
+    def abort(self) -> None:
+        """Close at once, dropping queued data (see ``SlabTransport.abort``)."""
+        self._abort(LocalAbortError("connection aborted locally (transport.abort())"))
+
+    def _abort(self, exc: BaseException) -> None:
+        if self._stage is _Stage.DONE:
+            return
+        if self._error is None:
+            self._error = exc
+        self._fail_writes(exc)
+        if self._stage is not _Stage.SHUTDOWN:
+            self._set_stage(_Stage.SHUTDOWN)
+        assert self._lower is not None
+        self._lower.abort(exc)
+
+    def _close_after(self, exc: BaseException) -> None:
+        """The peer's FIN came without close_notify and the engine refuses
+        that (strict). The read side is over, ours is not: the plain
+        connection sends what it queues (the app wrote it before the FIN
+        arrived), then closes, and the app gets ``exc`` in connection_lost.
+        Bounded by the shutdown timeout, like a graceful close."""
+        if self._error is None:
+            self._error = exc
+        self._set_stage(_Stage.SHUTDOWN)
+        self._timer = self._loop.call_later(self._shutdown_timeout, self._shutdown_timed_out)
+        assert self._lower is not None
+        self._lower.close()
+
+    def _shutdown_timed_out(self) -> None:
+        self._timer = None
+        self._abort(ShutdownTimeoutError(
+            f"TLS shutdown did not complete within {self._shutdown_timeout} s"
+        ))
+
+    # ------------------------------------------------ writing: internals
+
+    def _flush_soon(self) -> None:
+        self._flush_scheduled = False
+        if self._stage is not _Stage.DONE:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._plain and self._stage is not _Stage.HANDSHAKE:
+            try:
+                self._encrypt()
+            except Exception as exc:
+                # The engine refused to encrypt (ssl.SSLError): nothing more
+                # can be sent in order. The connection ends with that error,
+                # which every waiter gets, instead of escaping to the loop.
+                self._abort(exc)
+                return
+        self._check_pause()
+
+    def _encrypt(self) -> None:
+        """Encrypt the plaintext gathered this iteration and send it."""
+        plain = self._plain
+        if not plain:
+            return
+        engine, lower = self._engine, self._lower
+        assert engine is not None and lower is not None
+        self._plain = []
+        self._plain_bytes = 0
+        engine.write_many(plain)
+        # A large write comes out in several pieces (TLSEngine.WRITE_SLICE);
+        # each is queued as it is, never joined.
+        pieces = engine.data_to_send_many()
+        if pieces:
+            lower.writelines(pieces)
+        reqs = self._reqs
+        if reqs:
+            self._reqs = []
+            self._track(reqs)
+
+    def _track(self, reqs: list[WriteRequest]) -> None:
+        """Make ``reqs`` complete once the ciphertext queued so far is sent,
+        unless the engine still holds plaintext (a TLS 1.2 renegotiation is
+        in progress): then theirs is among it, or behind it, and they wait
+        for ``_send_output`` after the read that ends the renegotiation."""
+        engine, lower = self._engine, self._lower
+        assert engine is not None and lower is not None
+        if engine.held_plaintext:
+            self._held.extend(reqs)
+            return
+        if self._held:
+            reqs = self._held + reqs
+            self._held = []
+        for req in reqs:
+            lower.track(req)
+
+    def _send_output(self) -> None:
+        """Send what the engine produced by itself (handshake, alerts,
+        renegotiation, close_notify)."""
+        engine, lower = self._engine, self._lower
+        assert engine is not None and lower is not None
+        pieces = engine.data_to_send_many()
+        if pieces and not lower.is_closing():
+            lower.writelines(pieces)
+        if self._held and not engine.held_plaintext:
+            self._track([])
+
+    def _fail_writes(self, exc: BaseException) -> None:
+        for req in self._held + self._reqs:
+            req._finish(exc)
+        self._reqs = []
+        self._held = []
+        self._plain = []
+        self._plain_bytes = 0
+
+    # ------------------------------------------------ handshake
+
+    def _handshake(self) -> None:
+        engine = self._engine
+        assert engine is not None
+        try:
+            done = engine.do_handshake()
+        except Exception as exc:
+            self._send_output()
+            self._fail(exc)
+            return
+        self._send_output()
+        if not done:
+            if self._peer_eof:
+                self._fail(ConnectionResetError("peer closed the connection during the TLS handshake"))
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._set_stage(_Stage.READY)
+        if not self._upgrade:
+            self._app_made = True
+            try:
+                self._app.connection_made(self)
+            except Exception as exc:
+                self._app_failed(exc, "connection_made")
+                return
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        if self._plain:
+            self._flush()
+        self._pump()
+
+    def _handshake_timed_out(self) -> None:
+        self._timer = None
+        if self._stage is _Stage.HANDSHAKE:
+            # asyncio's own words (sslproto.py), so that code matching its
+            # message keeps working.
+            self._fail(HandshakeTimeoutError(
+                f"SSL handshake is taking longer than {self._handshake_timeout}"
+                " seconds: aborting the connection"
+            ))
+
+    # ------------------------------------------------ reading: internals
+
+    def _pump(
+        self, force: bool = False, final: bool = False, data: memoryview | None = None
+    ) -> None:
+        """Deliver decrypted chunks until the engine needs more input.
+
+        ``data`` is new ciphertext, lent: the engine may keep a reference to
+        it while it decrypts and must have copied it all before we return.
+        ``force``: deliver even if the app pauses reading meanwhile.
+        ``final``: from ``connection_lost``; deliver what is left, report
+        nothing but through ``_error``.
+
+        Errors from the engine and from the app are kept apart: the engine's
+        end the read side (after every byte before them), the app's are its
+        bugs, reported to the loop's exception handler whatever the stage.
+        """
+        engine = self._engine
+        if engine is None:
+            return
+        if self._stage is _Stage.DONE or self._read_over or isinstance(self._error, LocalAbortError):
+            if data is not None:
+                engine.receive_data(data)  # an engine that is done ignores it
+            return
+        deliver = self._deliver
+        if data is not None:
+            engine.lend_data(data)
+        app_error: Exception | None = None
+        try:
+            while force or not self._reading_paused:
+                chunk = engine.read_chunk()
+                if chunk is None:
+                    break
+                if not chunk:
+                    self._read_over = True
+                    break
+                try:
+                    deliver(chunk)
+                except Exception as exc:
+                    app_error = exc
+                    break
+                if isinstance(self._error, LocalAbortError):
+                    return  # abort() from chunk_received: that was the last
+        except Exception as exc:
+            self._read_failed(exc, final)
+            return
+        finally:
+            if data is not None:
+                engine.release_lent()
+        if app_error is not None:
+            self._app_failed(app_error, "chunk_received", final)
+            return
+        if final:
+            return
+        self._send_output()
+        if self._read_over:
+            self._read_eof()
+
+    def _read_failed(self, exc: Exception, final: bool) -> None:
+        """The engine ended the read side with ``exc``, after every byte."""
+        self._read_over = True
+        if final:
+            self._error = self._error or exc
+        elif self._stage is _Stage.SHUTDOWN:
+            # We asked to close; the peer went without its close_notify.
+            self._close_lower()
+        elif isinstance(exc, TLSTruncatedError) and self._peer_eof:
+            # Strict: the peer's FIN came without close_notify. Only its
+            # direction is over: what we queued still goes out, then the
+            # app learns of the truncation in connection_lost.
+            self._close_after(exc)
+        else:
+            self._send_output()
+            self._fail(exc)
+
+    def _read_eof(self) -> None:
+        if self._stage is _Stage.SHUTDOWN:
+            self._close_lower()
+            return
+        try:
+            keep_open = self._app.eof_received()
+        except Exception as exc:
+            self._app_failed(exc, "eof_received")
+            return
+        if keep_open:
+            log.debug("%r: eof_received() returned True, ignored over TLS", self._app)
+        self.close()
+
+    def _close_lower(self) -> None:
+        """Both close_notify alerts went (or the peer is gone): the plain
+        connection sends what it still queues, then closes."""
+        assert self._lower is not None
+        self._lower.close()
+
+    # ------------------------------------------------ failure
+
+    def _fail(self, exc: BaseException, setup: str | None = None) -> None:
+        """The one failure path: end the connection with ``exc``.
+
+        ``exc`` goes to whoever waits for this connection: the waiter of
+        ``open_connection``/``start_tls`` if it still waits, and the app's
+        ``connection_lost`` if the app has seen ``connection_made``. A local
+        failure to set the connection up (``setup``: the message) that
+        neither would see -- a server's incoming connection -- goes to the
+        loop's exception handler. (A handshake the peer fails is not
+        reported there: asyncio reports those only in debug mode.) Then
+        the plain connection is aborted: the socket closes at once and
+        nothing more is read, so nothing is buffered or delivered after
+        the failure.
+        """
+        self._read_over = True
+        waiter = self._waiter
+        told = self._app_made
+        if waiter is not None and not waiter.done():
+            waiter.set_exception(exc)
+            told = True
+        if setup is not None and not told:
+            self._loop.call_exception_handler({
+                "message": setup, "exception": exc, "protocol": self._app, "transport": self,
+            })
+        self._abort(exc)
+
+    def _app_failed(self, exc: Exception, name: str, final: bool = False) -> None:
+        """The app's callback ``name`` raised: an application bug. Report it
+        to the loop's exception handler (as the loops do for a protocol's
+        ``data_received``) and end the connection with it."""
+        self._loop.call_exception_handler({
+            "message": f"slabnet: protocol.{name}() failed",
+            "exception": exc, "protocol": self._app, "transport": self,
+        })
+        if final:  # connection_lost is running: it reports _error
+            self._read_over = True
+            self._error = self._error or exc
+            return
+        self._fail(exc)
+
+    def __repr__(self) -> str:
+        return f"<TLSTransport {self._stage.value} over={self._lower!r}>"
