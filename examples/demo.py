@@ -26,7 +26,7 @@ from .voice_server._report import format_table
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Targets from issue 6: what "the voice server keeps up" means here.
+# What "the voice server keeps up" means here: loop lag and retained memory.
 TARGET_LAG_P99_MS = 20.0
 TARGET_RETAINED_RATIO = 1.5
 

@@ -2,8 +2,8 @@
 
 Theory of operation
 -------------------
-Seed 002: most stream writes complete synchronously (the kernel takes all
-the bytes at once), so nothing should be allocated to track them. slabnet's
+Most stream writes complete synchronously (the kernel takes all the bytes
+at once), so nothing should be allocated to track them. slabnet's
 write path therefore hands back a ``WriteRequest`` only when bytes have to
 wait for the socket, and ``None`` otherwise.
 
