@@ -795,7 +795,7 @@ class StreamWriter:
         transport = self._transport
         if isinstance(transport, TLSTransport):
             raise RuntimeError("the connection already uses TLS")
-        tls = await transport.start_tls(
+        tls, handshake = transport.upgrade_tls(
             sslcontext,
             server_side=server_side,
             server_hostname=server_hostname,
@@ -803,10 +803,13 @@ class StreamWriter:
             ssl_shutdown_timeout=ssl_shutdown_timeout,
         )
         assert isinstance(tls, TLSTransport)
+        # From now on every write goes through the TLS layer: one made while
+        # the handshake runs is encrypted once it is done, never sent plain.
         self._transport = tls
         self.write = tls.write  # type: ignore[method-assign]
         self.writelines = tls.writelines  # type: ignore[method-assign,assignment]
         self._protocol._upgraded(tls)
+        await handshake
 
 
 # -------------------------------------------------------------------- openers

@@ -452,11 +452,38 @@ class SlabTransport(WriteGate, asyncio.Transport):
         ssl_ragged_eof: bool = True,
         ssl_session: Any = None,
     ) -> asyncio.Transport:
-        """Upgrade this connection to TLS (STARTTLS); return the TLS transport.
+        """Upgrade this connection to TLS (STARTTLS); return the TLS transport
+        once the handshake is done (see ``upgrade_tls``)."""
+        tls, handshake = self.upgrade_tls(
+            sslcontext, server_side=server_side, server_hostname=server_hostname,
+            ssl_handshake_timeout=ssl_handshake_timeout,
+            ssl_shutdown_timeout=ssl_shutdown_timeout, ssl_ragged_eof=ssl_ragged_eof,
+            ssl_session=ssl_session,
+        )
+        await handshake
+        return tls
 
-        The TLS layer becomes this transport's protocol and the current
-        protocol's transport. Bytes written before the call go out in
-        plaintext first; every byte read after it is ciphertext.
+    def upgrade_tls(
+        self,
+        sslcontext: ssl.SSLContext,
+        *,
+        server_side: bool = False,
+        server_hostname: str | None = None,
+        ssl_handshake_timeout: float | None = None,
+        ssl_shutdown_timeout: float | None = None,
+        ssl_ragged_eof: bool = True,
+        ssl_session: Any = None,
+    ) -> tuple[asyncio.Transport, asyncio.Future[None]]:
+        """Start the TLS handshake on this connection (STARTTLS).
+
+        Returns the TLS transport at once, with a future that completes with
+        the handshake (or raises its error). The TLS layer becomes this
+        transport's protocol; the caller should write through the TLS
+        transport from now on: what it writes during the handshake is
+        encrypted once the handshake is done, whereas bytes written here
+        would go out in plaintext, in the middle of it. Bytes written before
+        the call go out in plaintext first; every byte read after it is
+        ciphertext.
         """
         from ._tls_transport import TLSTransport
 
@@ -473,8 +500,7 @@ class SlabTransport(WriteGate, asyncio.Transport):
         )
         self._proto.set_upper(tls)
         tls.connection_made(self)
-        await waiter
-        return tls
+        return tls, waiter
 
     # ------------------------------------------------ closing
 

@@ -839,3 +839,39 @@ async def test_starttls_after_reading_was_paused(server_cert: Any, tls_ca: Any) 
         writer.transport.abort()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_starttls_writes_made_during_the_handshake_are_encrypted(
+    server_cert: Any, tls_ca: Any
+) -> None:
+    # The client writes while its STARTTLS handshake is still running. Those
+    # bytes must travel inside TLS, after the handshake: sent in plaintext
+    # they would land in the middle of it and break it.
+    upgraded: list[Any] = []
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        await _starttls_server_side(reader, writer, server_ctx(server_cert), upgraded)
+
+    server = await slabnet.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    try:
+        async with asyncio.timeout(10):
+            writer.write(b"STARTTLS\r\n")
+            assert await reader.readline() == b"220 go ahead\r\n"
+            upgrade = asyncio.create_task(
+                writer.start_tls(client_ctx(tls_ca), server_hostname="localhost")
+            )
+            await asyncio.sleep(0)  # the handshake has started, not finished
+            assert not upgrade.done()
+            req = writer.write(b"early words\n")
+            assert req is not None  # it waits for the handshake
+            await upgrade
+            await req
+            assert await reader.readline() == b"EARLY WORDS\n"
+            assert len(upgraded) == 1
+    finally:
+        writer.transport.abort()
+        server.close()
+        await server.wait_closed()
