@@ -101,16 +101,21 @@ class WriteRequest:
 
 
 class OutQueue:
-    """Bytes waiting for the socket, in order."""
+    """Bytes waiting for the socket, in order.
+
+    Most connections never queue anything (their writes go straight to the
+    kernel), and an empty ``deque`` costs about 760 bytes: both deques are
+    made on first use, so an idle connection pays for neither.
+    """
 
     __slots__ = ("_bufs", "queued", "sent_total", "end", "_requests")
 
     def __init__(self) -> None:
-        self._bufs: collections.deque[memoryview] = collections.deque()
+        self._bufs: collections.deque[memoryview] | None = None
         self.queued = 0  # bytes waiting
         self.sent_total = 0  # bytes handed to the kernel, ever
         self.end = 0  # stream position after the last queued byte
-        self._requests: collections.deque[WriteRequest] = collections.deque()
+        self._requests: collections.deque[WriteRequest] | None = None
 
     def __bool__(self) -> bool:
         return self.queued > 0
@@ -118,7 +123,10 @@ class OutQueue:
     def append(self, view: memoryview) -> None:
         n = view.nbytes
         if n:
-            self._bufs.append(view)
+            bufs = self._bufs
+            if bufs is None:
+                bufs = self._bufs = collections.deque()
+            bufs.append(view)
             self.queued += n
             self.end += n
 
@@ -130,7 +138,7 @@ class OutQueue:
     def request(self, nbytes: int) -> WriteRequest:
         """A request for the bytes queued so far (the last ``nbytes`` of them)."""
         req = WriteRequest(nbytes, self.end)
-        self._requests.append(req)
+        self._wait(req)
         return req
 
     def track(self, req: WriteRequest) -> None:
@@ -139,10 +147,18 @@ class OutQueue:
         if self.sent_total >= self.end:
             req._finish(None)
         else:
-            self._requests.append(req)
+            self._wait(req)
+
+    def _wait(self, req: WriteRequest) -> None:
+        reqs = self._requests
+        if reqs is None:
+            reqs = self._requests = collections.deque()
+        reqs.append(req)
 
     def buffers(self) -> list[memoryview]:
         bufs = self._bufs
+        if bufs is None:
+            return []
         if len(bufs) <= IOV_MAX:
             return list(bufs)
         return list(itertools.islice(bufs, IOV_MAX))
@@ -153,6 +169,7 @@ class OutQueue:
         self.sent_total += nbytes
         bufs = self._bufs
         while nbytes:
+            assert bufs is not None
             head = bufs[0]
             size = head.nbytes
             if nbytes >= size:
@@ -170,8 +187,9 @@ class OutQueue:
 
     def fail(self, exc: BaseException) -> None:
         """Drop every queued byte; pending requests raise ``exc``."""
-        self._bufs.clear()
+        self._bufs = None
         self.queued = 0
         reqs = self._requests
+        self._requests = None
         while reqs:
             reqs.popleft()._finish(exc)
