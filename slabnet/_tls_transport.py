@@ -353,17 +353,20 @@ class TLSTransport(WriteGate, asyncio.Transport):
         req = None
         stage = self._stage
         lower = self._lower
-        if stage is _Stage.HANDSHAKE or (lower is not None and lower.get_write_buffer_size()):
+        queued = 0 if lower is None else lower.get_write_buffer_size()
+        if queued or stage is _Stage.HANDSHAKE:
             # Its ciphertext position is known once it is encrypted.
             req = WriteRequest(n, -1)
             self._reqs.append(req)
         if stage is _Stage.READY:
             if self._plain_bytes >= CORK_LIMIT:
-                self._flush()
-            elif not self._flush_scheduled:
+                self._flush()  # (checks the pause itself)
+                return req
+            if not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon(self._flush_soon)
-        self._check_pause()
+        if queued + self._plain_bytes > self._high:
+            self._check_pause()
         return req
 
     def can_write_eof(self) -> bool:
