@@ -183,6 +183,8 @@ class OutQueue:
             done = self.sent_total
             while reqs and reqs[0]._end <= done:
                 reqs.popleft()._finish(None)
+            if not reqs:
+                self._requests = None  # (an idle connection keeps no deque)
         return not self.queued
 
     def fail(self, exc: BaseException) -> None:
