@@ -685,9 +685,6 @@ class StreamWriter:
         self._loop = loop
         self._complete_fut = loop.create_future()
         self._complete_fut.set_result(None)
-        # Bound once: write() is the hot path.
-        self.write = transport.write  # type: ignore[method-assign]
-        self.writelines = transport.writelines  # type: ignore[method-assign,assignment]
 
     def __del__(self, warnings: Any = warnings) -> None:
         # As asyncio's writer does (3.11.5 on): one dropped without close()
