@@ -1,4 +1,6 @@
-"""A pool for small allocations (seed 004).
+"""Small-write pool: carves the buffers that small writes are copied into
+out of shared pools (64 KiB by default), so one loop iteration's small
+writes sit in a few contiguous regions.
 
 Theory of operation
 -------------------
@@ -6,8 +8,8 @@ Node's ``Buffer.allocUnsafe`` carves small buffers out of a shared pool
 instead of asking the allocator for each one; a request is small when
 ``size < poolSize >>> 1`` (strictly), and the pool grew from 8 KiB to 64 KiB
 so that allocations up to 32 KiB -- HTTP frames, stream chunks, the 4 KiB
-page size itself -- are covered (seed 004 measured +10 to +26 % for 4 to
-16 KiB).
+page size itself -- are covered (what that was worth is in
+``benchmarks/README.md``).
 
 slabnet uses the same rule for the write path: a small write is copied into
 pooled space, so that all the small writes of one loop iteration sit in a
@@ -32,7 +34,7 @@ from ._slab import _exported
 
 __all__ = ["DEFAULT_POOL_SIZE", "BufferPool"]
 
-#: seed 004: Node's Buffer.poolSize default since it was raised from 8 KiB.
+#: Node's Buffer.poolSize default since it was raised from 8 KiB.
 DEFAULT_POOL_SIZE: Final = 65536
 
 #: Node aligns pool offsets to 8 bytes (alignPool in lib/buffer.js).
@@ -75,9 +77,6 @@ class BufferPool:
             self._pool = None
             self._offset = 0
 
-    def is_small(self, nbytes: int) -> bool:
-        return nbytes < self._pool_size >> 1
-
     def alloc(self, nbytes: int) -> memoryview:
         """Return a writable buffer of exactly ``nbytes`` bytes.
 
@@ -89,24 +88,24 @@ class BufferPool:
         if nbytes >= self.small_limit:
             return memoryview(bytearray(nbytes))
         off = self._offset
-        if self._pool is None or off + nbytes > self._pool_size:
-            self._new_pool()
+        pool = self._pool
+        if pool is None or off + nbytes > self._pool_size:
+            pool = self._new_pool()
             off = 0
         end = off + nbytes
         self._offset = (end + _ALIGN - 1) & -_ALIGN
-        return memoryview(self._pool)[off:end]  # type: ignore[arg-type]
+        return memoryview(pool)[off:end]
 
-    def _new_pool(self) -> None:
-        old = self._pool
-        if old is not None and len(old) == self._pool_size:
-            # Reuse the exhausted pool if no region of it is alive.
-            if not _exported(old):
-                self.pools_reused += 1
-                self._offset = 0
-                return
-        self._pool = bytearray(self._pool_size)
+    def _new_pool(self) -> bytearray:
+        pool = self._pool
         self._offset = 0
+        if pool is not None and len(pool) == self._pool_size and not _exported(pool):
+            # Reuse the exhausted pool: no region of it is alive.
+            self.pools_reused += 1
+            return pool
+        self._pool = pool = bytearray(self._pool_size)
         self.pools_allocated += 1
+        return pool
 
     @property
     def offset(self) -> int:

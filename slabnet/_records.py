@@ -1,12 +1,13 @@
-"""TLS record header scanner (sans-IO).
+"""TLS record header scanner (sans-IO): follows the record headers of one
+direction of a TLS stream and tells the engine which complete records wait
+in its incoming BIO.
 
 Theory of operation
 ===================
 
 OpenSSL hides record boundaries: ``SSLObject.read`` decrypts at most one
 record per call and gives no hint about what is still waiting in the incoming
-``MemoryBIO``.  The TLS engine needs that hint for two decisions (seed 001 and
-cpython issue 123954):
+``MemoryBIO``.  The TLS engine needs that hint for two decisions:
 
 * may it keep reading into the same chunk?  Only if the next record is
   complete in the BIO, is application data, and is too long to be empty;
@@ -48,9 +49,9 @@ records to a fixed size while data is queued), so after parsing a header
 same type, major version and length.  It compares each of those four byte
 positions across all following headers as one strided slice, in C, and takes
 the whole run at once; a run costs a few slice operations instead of a
-Python loop turn per record (at 1 KiB records this halved the scanner's
-cost).  Pieces too small to hold a run, and pieces where a probe found none,
-use the loop.
+Python loop turn per record (what that is worth end to end is in
+``benchmarks/README.md``).  Pieces too small to hold a run, and pieces where
+a probe found none, use the loop.
 
 Validation
 ----------
@@ -147,8 +148,7 @@ class RecordScanner:
     """Follows the record headers in one direction of a TLS byte stream.
 
     Call order: ``feed(data)`` for every piece of ciphertext, in stream order;
-    in between, ask :meth:`next_record`, :meth:`has_complete_record` or
-    :meth:`data_run` with the number of bytes OpenSSL has consumed so far
+    in between, ask :meth:`has_complete_record` or :meth:`data_run` with the number of bytes OpenSSL has consumed so far
     (never decreasing).
 
     For :meth:`data_run` a record weighs its plaintext bound (``length -
@@ -255,7 +255,8 @@ class RecordScanner:
                         pos += run * size
                         parsed += run
                         # A stream whose sizes vary gets no more probes from
-                        # this piece: each costs about as much as 5 records.
+                        # this piece: a probe that finds no run costs more
+                        # than the records it looked at.
                         probe = run >= _PROBE_MIN_RUN
             else:
                 self._parsed += parsed
@@ -399,21 +400,6 @@ class RecordScanner:
         self._consumed = self._dropped + i
         return run, i
 
-    def next_record(self, consumed: int) -> tuple[int, int] | None:
-        """The next record after `consumed` bytes, if it is complete.
-
-        Returns ``(content_type, length)``, length being the fragment length
-        from the header, or None when the next record has not fully arrived
-        (or no record is left).
-        """
-        run, i = self._locate(consumed)
-        if run is None:
-            return None
-        size = run[_SIZE]
-        if run[_START] + (i + 1) * size > self.fed:
-            return None
-        return run[_TYPE], size - HEADER_SIZE
-
     def has_complete_record(self, consumed: int, avail: int | None = None) -> bool:
         """True if a complete record follows the first `consumed` bytes
         (complete within the first `avail` bytes, all that were fed if None)."""
@@ -437,30 +423,17 @@ class RecordScanner:
         plaintext bounds, how many records were taken, and the one plaintext
         bound they all share (0 if they differ).  `count` is 0 when the next
         record is complete but cannot start a run, and -1 when no complete
-        record follows `consumed` at all (so the caller needs no second
-        query).
-        "Complete" means within the first `avail` stream bytes (default: all
-        that were fed): the engine parses a read's headers at once but puts
-        its bytes into the BIO piece by piece.
+        record follows `consumed` at all.  "Complete" means within the first
+        `avail` stream bytes (default: all that were fed): the engine parses
+        a read's headers at once but puts its bytes into the BIO piece by
+        piece.
         """
-        runs = self._runs
-        if self._head < len(runs):
-            # self._locate(consumed), inlined for the usual case: the next
-            # record is in the run at the head (this runs once per batch).
-            start, size, count, ctype = runs[self._head]
-            i = (consumed - start) // size
-            if i < count:
-                self._consumed = self._dropped + i
-            else:
-                run, i = self._locate(consumed)
-                if run is None:
-                    return consumed, 0, -1, 0
-                start, size, count, ctype = run
-        else:
-            self._locate(consumed)
+        run, i = self._locate(consumed)
+        if run is None:
             return consumed, 0, -1, 0
         if avail is None:
             avail = self.fed
+        start, size, count, ctype = run
         start += i * size  # the next record's header
         if start + size > avail:
             return consumed, 0, -1, 0
@@ -468,39 +441,38 @@ class RecordScanner:
         if ctype != APPLICATION_DATA or length <= self._empty:
             return consumed, 0, 0, 0
         weight = length - self._overhead
-        take = budget // weight
-        if not take:
-            return consumed, 0, 0, 0
-        left = count - i
-        ready = (avail - start) // size  # complete records from there on
-        if take > ready:
-            take = ready
-        if take < left:
+        take = min(count - i, (avail - start) // size, budget // weight)
+        if take < count - i:
+            # The usual case: the batch ends inside the first run.
+            if take <= 0:
+                return consumed, 0, 0, 0
             return start + take * size, take * weight, take, weight
-        # The whole rest of the run fits: go on into the runs after it.
-        end = start + left * size
-        bound = left * weight
-        taken = left
-        shared = weight
-        empty = self._empty
-        overhead = self._overhead
-        for j in range(self._head + 1, len(runs)):
-            start, size, count, ctype = runs[j]
+        end = consumed
+        bound = taken = shared = 0
+        count -= i
+        runs = self._runs
+        for j in range(self._head, len(runs)):
+            if j > self._head:
+                start, size, count, ctype = runs[j]
             length = size - HEADER_SIZE
-            if ctype != APPLICATION_DATA or length <= empty:
+            if ctype != APPLICATION_DATA or length <= self._empty:
                 break
-            weight = length - overhead
+            weight = length - self._overhead
             take = min(count, (avail - start) // size, (budget - bound) // weight)
             if take <= 0:
                 break
-            if weight != shared:
-                shared = 0
+            shared = weight if not taken or shared == weight else 0
             end = start + take * size
             bound += take * weight
             taken += take
             if take < count:
                 break
         return end, bound, taken, shared
+
+    @property
+    def mid_record(self) -> bool:
+        """True if the bytes fed so far end inside a record."""
+        return self._next_header != self.fed
 
 
 def _repeats(data: bytes | bytearray | memoryview, first: int, step: int, count: int) -> int:

@@ -1,4 +1,5 @@
-"""asyncio-compatible streams over slabnet transports.
+"""asyncio-compatible streams over slabnet transports: a StreamReader that
+queues the transport's chunks instead of copying them, and its writer.
 
 Theory of operation
 -------------------
@@ -14,9 +15,9 @@ in a deque, with an offset into the first one:
   most once after the kernel's copy;
 * ``readinto(buf)`` copies straight into the caller's buffer.
 
-Small chunks are the exception. A queued chunk costs about 320 bytes of
+Small chunks are the exception. A queued chunk costs a few hundred bytes of
 objects whatever its length, so a peer trickling one byte per segment would
-make each buffered byte cost 300 times its size. A chunk shorter than
+make each buffered byte cost hundreds of times its size. A chunk shorter than
 ``_COALESCE_BELOW`` that arrives while data is already buffered is copied
 into an owned ``bytearray``, the *tail*, which logically follows the queue.
 The tail is never exported while it can still grow: a read that needs its
@@ -87,11 +88,11 @@ ClientConnectedCallback = Callable[
 
 #: Chunks shorter than this are copied into one owned buffer (the "tail")
 #: when data is already buffered, instead of being queued one by one: a
-#: queued chunk costs about 320 bytes of objects whatever its length
-#: (memoryview, its managed buffer, the bytes header, a deque slot; measured
-#: with tracemalloc), so 5,000 one-byte chunks held 1.5 MiB. Below 1 KiB that
-#: overhead is over a third of the payload, and copying so few bytes costs
-#: less than the objects it saves. A consumer that keeps up (nothing buffered
+#: queued chunk costs a few hundred bytes of objects whatever its length
+#: (memoryview, its managed buffer, the bytes header, a deque slot; see the
+#: trickle benchmark in benchmarks/README.md). Below 1 KiB that overhead is
+#: over a third of the payload, and copying so few bytes costs less than the
+#: objects it saves. A consumer that keeps up (nothing buffered
 #: when a chunk arrives) still gets every chunk as it came.
 _COALESCE_BELOW: Final = 1024
 
@@ -182,11 +183,8 @@ class StreamReader:
                     self._seal_tail()
                 self._chunks.append(chunk)
             self._size = size = size + n
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        if self._waiter is not None:
+            self._wakeup_waiter()
         if size > 2 * self._limit and not self._paused:
             transport = self._transport
             if transport is not None:
@@ -240,11 +238,16 @@ class StreamReader:
         finally:
             self._waiter = None
 
-    def _raise_if_done(self) -> bool:
-        """With nothing buffered: raise the stored error, or report EOF."""
-        if self._exception is not None:
-            raise self._exception
-        return self._eof
+    async def _wait_for_bytes(self, func_name: str) -> bool:
+        """Wait until something is buffered (True) or EOF (False); the
+        stored error is raised once nothing buffered is left before it."""
+        while not self._size:
+            if self._exception is not None:
+                raise self._exception
+            if self._eof:
+                return False
+            await self._wait_for_data(func_name)
+        return True
 
     # ------------------------------------------------ buffer primitives
 
@@ -357,13 +360,8 @@ class StreamReader:
         A chunk comes as the transport delivered it, except that small
         chunks which arrived while data was buffered come joined into one
         (see ``_COALESCE_BELOW``)."""
-        if not self._size:
-            if self._raise_if_done():
-                return _EMPTY
-            await self._wait_for_data("read_chunk")
-            if not self._size:
-                if self._raise_if_done():
-                    return _EMPTY
+        if not self._size and not await self._wait_for_bytes("read_chunk"):
+            return _EMPTY
         chunk = self._take_chunk()
         if self._paused:
             self._maybe_resume()
@@ -379,12 +377,8 @@ class StreamReader:
         want = len(dest)
         if not want:
             return 0
-        if not self._size:
-            if self._raise_if_done():
-                return 0
-            await self._wait_for_data("readinto")
-            if not self._size and self._raise_if_done():
-                return 0
+        if not self._size and not await self._wait_for_bytes("readinto"):
+            return 0
         self._reach(want)
         got = 0
         chunks = self._chunks
@@ -422,12 +416,8 @@ class StreamReader:
                     self._unread(parts)
                 raise
             return b"".join(parts)
-        if not self._size:
-            if self._raise_if_done():
-                return b""
-            await self._wait_for_data("read")
-            if not self._size and self._raise_if_done():
-                return b""
+        if not self._size and not await self._wait_for_bytes("read"):
+            return b""
         data = self._take(min(n, self._size))
         self._maybe_resume()
         return data
@@ -538,15 +528,7 @@ class _ChunkIterator:
     async def __anext__(self) -> memoryview:
         reader = self._reader
         if reader._size:
-            # reader._take_chunk(), inlined: this runs once per chunk.
-            chunks = reader._chunks
-            if not chunks:
-                reader._seal_tail()
-            chunk = chunks.popleft()
-            if reader._pos:
-                chunk = chunk[reader._pos :]
-                reader._pos = 0
-            reader._size -= len(chunk)
+            chunk = reader._take_chunk()
             if reader._paused:
                 reader._maybe_resume()
             return chunk
@@ -593,9 +575,7 @@ class _StreamProtocol(ChunkProtocol):
         loop: asyncio.AbstractEventLoop | None = None,
     ) -> None:
         self._loop = loop or asyncio.get_event_loop()
-        self._reader: StreamReader | None = reader
-        # The transport calls reader._feed_chunk directly: no extra frame.
-        self.chunk_received = reader._feed_chunk  # type: ignore[method-assign]
+        self._reader = reader
         self._client_connected_cb = client_connected_cb
         self._transport: _Transport | None = None
         self._task: asyncio.Task[None] | None = None
@@ -608,7 +588,6 @@ class _StreamProtocol(ChunkProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(_Transport, transport)
         reader = self._reader
-        assert reader is not None
         self._transport = transport
         reader.set_transport(transport)
         self._over_ssl = transport.get_extra_info("sslcontext") is not None
@@ -634,18 +613,19 @@ class _StreamProtocol(ChunkProtocol):
             if self._transport is not None:
                 self._transport.close()
 
+    def chunk_received(self, chunk: memoryview) -> None:
+        self._reader._feed_chunk(chunk)
+
     def eof_received(self) -> bool:
-        if self._reader is not None:
-            self._reader.feed_eof()
+        self._reader.feed_eof()
         return not self._over_ssl
 
     def connection_lost(self, exc: BaseException | None) -> None:
         reader = self._reader
-        if reader is not None:
-            if exc is None:
-                reader.feed_eof()
-            else:
-                reader.set_exception(exc)
+        if exc is None:
+            reader.feed_eof()
+        else:
+            reader.set_exception(exc)
         if not self._closed.done():
             if exc is None or isinstance(exc, LocalAbortError):
                 # wait_closed() after our own abort() is not a failure.
@@ -687,7 +667,7 @@ class _StreamProtocol(ChunkProtocol):
         return self._closed
 
     def _upgraded(self, transport: TLSTransport) -> None:
-        """STARTTLS is done: the stream runs over the TLS layer now."""
+        """STARTTLS has begun: the stream runs over the TLS layer from now on."""
         self._transport = transport
         self._over_ssl = True
         if self._reader is not None:
@@ -714,9 +694,6 @@ class StreamWriter:
         self._loop = loop
         self._complete_fut = loop.create_future()
         self._complete_fut.set_result(None)
-        # Bound once: write() is the hot path.
-        self.write = transport.write  # type: ignore[method-assign]
-        self.writelines = transport.writelines  # type: ignore[method-assign,assignment]
 
     def __del__(self, warnings: Any = warnings) -> None:
         # As asyncio's writer does (3.11.5 on): one dropped without close()
@@ -806,8 +783,6 @@ class StreamWriter:
         # From now on every write goes through the TLS layer: one made while
         # the handshake runs is encrypted once it is done, never sent plain.
         self._transport = tls
-        self.write = tls.write  # type: ignore[method-assign]
-        self.writelines = tls.writelines  # type: ignore[method-assign,assignment]
         self._protocol._upgraded(tls)
         await handshake
 

@@ -1,13 +1,16 @@
-"""Sans-IO TLS engine: ``ssl.SSLObject`` over two ``MemoryBIO`` objects.
+"""Sans-IO TLS engine: one connection's TLS over ``ssl.SSLObject`` and two
+``MemoryBIO`` objects, turning ciphertext into exact-size plaintext chunks
+and plaintext into ciphertext pieces.
 
 Theory of operation
 ===================
 
-The engine never touches a socket.  The shell hands it ciphertext with
-:meth:`TLSEngine.receive_data` (copied into the incoming ``MemoryBIO`` at
-once, because the caller's buffer is a view of a shared read slab that is
-reused right after) or lends it with :meth:`TLSEngine.lend_data` (see
-there), asks for plaintext with :meth:`TLSEngine.read_chunk`, and sends
+The engine never touches a socket.  The shell lends it ciphertext with
+:meth:`TLSEngine.lend_data`: the engine moves it into the incoming
+``MemoryBIO`` piece by piece as it reads, and :meth:`TLSEngine.release_lent`
+copies what is left before the caller reuses its buffer (a view of the
+shared read slab).  :meth:`TLSEngine.receive_data` copies ciphertext at once
+instead.  The shell asks for plaintext with :meth:`TLSEngine.read_chunk`, and sends
 whatever :meth:`TLSEngine.data_to_send` (one ``bytes``) or
 :meth:`TLSEngine.data_to_send_many` (a list of pieces) returns.  Exact call
 order::
@@ -47,8 +50,8 @@ batch.  During a TLS 1.2 renegotiation ``SSLObject.write`` can itself raise
 writes (as private copies, so the retry passes the same bytes, which OpenSSL
 requires) and retries them after the next read batch.
 
-Record coalescing (seed 001)
-----------------------------
+Record coalescing
+-----------------
 ``SSL_read`` returns at most one record.  Peers that send small records
 (nginx's 4 KiB ``ssl_buffer_size``, dynamic record sizing starting at ~1 KiB)
 would make every record pay for a chunk and a trip through the shell.  A
@@ -60,7 +63,7 @@ that offset can trail ``scanner.fed``).  One ``read_chunk`` call is one
 batch:
 
 * it starts with one ``SSLObject.read`` of whatever record comes next;
-* it keeps reading into the same buffer, up to ``max_chunk`` bytes, only while
+* it keeps reading into the same chunk, up to ``max_chunk`` bytes, only while
   the next record is complete, is application_data (type 23) and is longer
   than an empty record of the negotiated cipher (see
   :func:`empty_record_size`).  ``SSL_read`` skips an empty record and goes on
@@ -71,7 +74,7 @@ So in TLS 1.2 a handshake, alert or change_cipher_spec record ends the batch
 and is processed by the *next* batch, after the data in front of it has been
 returned.  In TLS 1.3 post-handshake messages travel in application_data
 records and cannot be told apart from data by the header; they may be
-processed in the middle of a batch (as in Node.js after seed 001).
+processed in the middle of a batch.
 
 When no complete record is left in the BIO and OpenSSL holds no decrypted
 bytes (``SSLObject.pending() == 0``), ``read_chunk`` returns None without
@@ -80,19 +83,21 @@ which costs an exception and an OpenSSL error-queue walk (cpython issue
 123954).  The engine never writes EOF into the BIO; it decides between clean
 EOF and truncation itself, from what the scanner has seen.
 
-Chunk ownership (seed 000)
---------------------------
+Chunk ownership
+---------------
 Every chunk is a read-only memoryview over a buffer of exactly its own size
 (``len(chunk.obj) == len(chunk)``): an application may keep any chunk for a
 long time without pinning anything else.  The engine holds no read buffer
-between calls.  The buffer of a batch is sized from the record headers:
-the sum over the batch of ``length - overhead`` (:func:`record_overhead`),
-which is exact for AEAD suites without TLS 1.3 padding; when padding or CBC
-made the plaintext shorter the buffer is trimmed in place.  A batch of one
-record is read with ``read(n)`` into a ``bytes`` object, which OpenSSL fills
-directly and which needs no zeroing; so is every record of a batch whose
-records all have the same bound (what bulk senders send), and the parts are
-joined into the chunk.
+between calls.  Each record of a batch is read with one ``read(n)`` into a
+``bytes`` object, `n` being what is left of the batch's plaintext bound (the
+sum over the batch of ``length - overhead``, :func:`record_overhead`), and
+the parts are joined into the chunk.  Three shortcuts remain because each is
+worth at least 5 % of a client's CPU end to end at some record size (the
+measurement is in ``benchmarks/README.md``, "What each TLS read fast path is
+worth"): a batch of one record is returned as it was read; a batch of
+records that share one bound (what bulk senders send) is read by one
+``map`` over that bound; and reads call the C method under a stock
+``SSLObject`` directly.
 
 Errors and EOF
 --------------
@@ -129,17 +134,16 @@ from typing import Any, Final, Union
 
 from slabnet._errors import TLSRecordError, TLSTruncatedError
 from slabnet._records import MAX_LENGTH_TLS12, MAX_LENGTH_TLS13, RecordScanner
-from slabnet._slab import _Sealed
 
 __all__ = ["TLSEngine", "TLSState", "empty_record_size", "record_overhead"]
 
 Buffer = Union[bytes, bytearray, memoryview]
 
 #: Largest TLSPlaintext fragment: 2^14 bytes (RFC 8446 §5.1, RFC 5246
-#: §6.2.1).  It is the default chunk size (the seed 001 batch buffer; 64 KiB
-#: was measured there to gain only 2-5 % and let a paused stream overshoot
-#: its high-water mark) and the size ``write_many`` joins small buffers to,
-#: so that each joined piece fills whole records.
+#: §6.2.1).  It is the default chunk size (a larger one gains little, see
+#: benchmarks/README.md, and lets a paused stream overshoot its high-water
+#: mark by more) and the size ``write_many`` joins small buffers to, so that
+#: each joined piece fills whole records.
 MAX_FRAGMENT: Final = 2**14
 
 _EMPTY: Final = memoryview(b"")
@@ -282,13 +286,14 @@ _EOF: Final = object()  # the read side ended cleanly
 _AGAIN: Final = object()  # a read made progress but produced no data
 
 
-def _c_level(sslobj: ssl.SSLObject, name: str) -> Any:
-    """``sslobj``'s method `name`: the C one underneath a stock SSLObject
-    (one Python frame less per call), a subclass's override otherwise."""
+def _c_read(sslobj: ssl.SSLObject) -> Any:
+    """``sslobj.read``: the C method underneath a stock SSLObject (one
+    Python frame less per record, worth it at small records, see
+    benchmarks/README.md), a subclass's override otherwise."""
     inner = getattr(sslobj, "_sslobj", None)
-    if inner is not None and getattr(type(sslobj), name) is getattr(ssl.SSLObject, name):
-        return getattr(inner, name)
-    return getattr(sslobj, name)
+    if inner is not None and type(sslobj).read is ssl.SSLObject.read:
+        return inner.read
+    return sslobj.read
 
 
 class TLSEngine:
@@ -300,11 +305,10 @@ class TLSEngine:
         "_incoming",
         "_outgoing",
         "_scanner",
+        "_read",
         "_state",
         "_ragged_eof",
         "_max_chunk",
-        "_read",
-        "_pending",
         "_tls12",
         "_input_closed",
         "_read_final",
@@ -348,14 +352,10 @@ class TLSEngine:
             session=session,
         )
         self._scanner = RecordScanner()
+        self._read = _c_read(self.ssl_object)
         self._state = _HANDSHAKING
         self._ragged_eof = ragged_eof
         self._max_chunk = max_chunk
-        # The C-level read and pending of the stdlib SSLObject skip one
-        # Python frame per call (read: about 0.04 s/GiB at 1 KiB records in
-        # our microbenchmark); a subclass that overrides them keeps its own.
-        self._read = _c_level(self.ssl_object, "read")
-        self._pending = _c_level(self.ssl_object, "pending")
         self._tls12 = False
         self._input_closed = False
         # _EOF or the exception that ends the read side, once reached.
@@ -577,9 +577,9 @@ class TLSEngine:
         if self._held:
             return self._held.popleft()
         # One batch, as described in the module docstring; again after a
-        # record without data (_AGAIN) or when lent input remains.  This is
-        # the one place that reads from the SSLObject (with _read_many).
+        # record without data (_AGAIN) or when lent input remains.
         incoming = self._incoming
+        sslobj = self.ssl_object
         result: Any
         while True:
             pending = incoming.pending
@@ -588,25 +588,24 @@ class TLSEngine:
                 pending = incoming.pending
             fed = self._avail
             if self._leftover:
-                if self._pending() == 0:
-                    self._leftover = False
-                    continue
-                result = self._read_many(fed, pending, 0, 0, 0)
+                result = self._read_batch(fed, pending, fed - pending, 0, 0, 0)
             else:
-                end, size, count, weight = self._scanner.data_run(
+                end, bound, count, weight = self._scanner.data_run(
                     fed - pending, self._max_chunk, fed
                 )
                 if count == 1:
-                    # The common case for large records: one record, which
-                    # OpenSSL reads into a bytes object of its size (no
-                    # zeroing, no second view).
+                    # One record (what large records give): read into a
+                    # bytes object of its bound and returned as it is.
                     self.read_calls += 1
                     try:
-                        first = self._read(size)
+                        first = self._read(bound)
                     except ssl.SSLError as exc:
                         result = self._read_failed(exc, pending)
                     else:
-                        if first:
+                        if not first:
+                            self._on_close_notify()
+                            result = _EOF
+                        else:
                             if incoming.pending < fed - end:
                                 self._leftover = True  # see the over-read note
                             self.chunks_returned += 1
@@ -614,16 +613,12 @@ class TLSEngine:
                             if not self._blocked:
                                 return chunk
                             result = chunk
-                        else:
-                            self._on_close_notify()
-                            result = _EOF
-                elif count < 0 and self._pending() == 0:
-                    # Nothing complete is buffered: skip the SSLWantReadError.
+                elif count < 0 and not sslobj.pending():
+                    # Nothing complete is buffered: a read could only raise
+                    # SSLWantReadError.
                     result = None
-                elif weight:
-                    result = self._read_equal(fed, pending, end, weight, count)
                 else:
-                    result = self._read_many(fed, pending, end, size, count)
+                    result = self._read_batch(fed, pending, end, bound, count, weight)
             if result is _AGAIN:
                 continue
             if result is None and self._lent is not None:
@@ -653,7 +648,7 @@ class TLSEngine:
             # of the BIO into its own buffer (an over-read, TLS 1.3), so the
             # BIO can be empty; the scanner still sees that the stream did
             # not end on a record boundary.
-            if partial or scanner._next_header != scanner.fed:
+            if partial or scanner.mid_record:
                 final = TLSTruncatedError(
                     "the peer closed the connection in the middle of a TLS"
                     " record"
@@ -889,130 +884,90 @@ class TLSEngine:
             return None
         raise exc
 
-    def _read_equal(self, fed: int, pending: int, end: int, weight: int, count: int) -> Any:
-        """A planned batch of `count` records whose plaintext bound is
-        `weight` each (a run of equal records, what bulk senders send).
-
-        Each record is read into a ``bytes`` object of exactly `weight`
-        bytes and the parts are joined into the chunk: no zeroed buffer and
-        no view a record.  The reads run as one ``map`` inside
-        ``list.extend``, a loop in C.  Together this took the engine's own
-        CPU per GiB at 1 KiB records from about 1.30 s to 1.21 s
-        (decrypting from memory).  Reading `count` times `weight` bytes
-        keeps the chunk within the plan even after an over-read.
+    def _read_batch(
+        self, fed: int, pending: int, end: int, bound: int, count: int, weight: int
+    ) -> Any:
+        """Read one batch: `count` records planned from their headers (the
+        plaintext `bound` in all, `weight` each if they share it, the stream
+        offset `end` after them), or with `count` 0 whatever record comes
+        next (leftover plaintext, or a record that cannot start a plan:
+        handshake, alert, too short), planning the rest after it.  Returns
+        a chunk, or None, _AGAIN or _EOF; the one place that reads from the
+        SSLObject.
         """
-        parts: list[bytes] = []
-        try:
-            # When a read raises, CPython's list.extend keeps the items it
-            # already appended: the parts in front of an error are not lost
-            # (test_corrupted_record_after_good_ones checks this).
-            parts.extend(map(self._read, repeat(weight, count)))
-        except ssl.SSLError as exc:
-            self.read_calls += len(parts) + 1
-            # What came first is returned; what ended the batch is seen
-            # again (or kept, for an error) by the next call.
-            result = self._read_failed(exc, pending, bool(parts))
-            if not parts:
-                return result
-        else:
-            self.read_calls += count
-            if not parts[-1]:
-                # close_notify: that read returned b"", and so did every
-                # later one, without touching the BIO.
-                self._on_close_notify()
-                if not parts[0]:
-                    return _EOF
-            elif self._incoming.pending < fed - end:
-                self._leftover = True  # an over-read: see _read_many
-        self.chunks_returned += 1
-        return memoryview(b"".join(parts))
-
-    def _read_many(self, fed: int, pending: int, end: int, size: int, count: int) -> Any:
-        """The batch when it is not one planned record nor a planned run of
-        equal records: `count` records planned (``end``, ``size`` from the
-        scanner), or 0 to start with whatever record comes next, or leftover
-        plaintext."""
-        read = self._read
-        incoming = self._incoming
-        scanner = self._scanner
         sslobj = self.ssl_object
-        first: bytes = b""
-        buf: _Sealed | None = None
-        off = calls = 0
+        read = self._read
+        parts: list[bytes] = []
+        calls = 0
+        mapped = -1  # len(parts) before the map, once it started
         try:
             if count <= 0:
-                # The first read takes any record type (handshake, alert, a
-                # record too short or too long to plan, leftover plaintext).
                 calls = 1
                 first = read(self._max_chunk)
                 if not first:
                     self._on_close_notify()
                     return _EOF
+                parts.append(first)
                 if sslobj.pending():
                     self._leftover = True
-                    self.chunks_returned += 1
-                    return memoryview(first)
+                    return self._chunk(parts)
                 self._leftover = False
                 if self._tls12:
                     self._refresh_expansion()  # a renegotiation may have ended
-                pending = incoming.pending
-                end, bound, count, _ = scanner.data_run(
+                pending = self._incoming.pending
+                end, bound, count, weight = self._scanner.data_run(
                     fed - pending, self._max_chunk - len(first), fed
                 )
                 if count <= 0:
-                    self.chunks_returned += 1
-                    return memoryview(first)
-                off = len(first)
-                size = off + bound
-                buf = _Sealed(size)
-                buf[:off] = first
-            else:
-                buf = _Sealed(size)
-            view = memoryview(buf)
-            # The loop variable counts the reads (one store a record).
-            for calls in range(calls + 1, calls + count + 1):
-                if off == size:
-                    # An over-read (below) filled the buffer early; read(0)
-                    # would return 0, which means close_notify.
-                    calls -= 1
-                    break
-                n = read(size - off, view[off:])
-                if not n:
+                    return self._chunk(parts)
+            if weight:
+                # Records that share one bound (what bulk senders send), each
+                # read into a ``bytes`` of exactly that size by one ``map``,
+                # a loop in C.  When a read raises, list.extend keeps the
+                # parts it already appended.
+                mapped = len(parts)
+                parts.extend(map(read, repeat(weight, count)))
+                calls += count
+                if not parts[-1]:
+                    # close_notify: that read returned b"", and so did every
+                    # later one, without touching the BIO.
                     self._on_close_notify()
-                    break
-                off += n
-            if incoming.pending < fed - end:
+                    while parts and not parts[-1]:
+                        parts.pop()
+            else:
+                left = bound
+                while count > 0 and left > 0:
+                    count -= 1
+                    calls += 1
+                    part = read(left)
+                    if not part:
+                        self._on_close_notify()
+                        break
+                    parts.append(part)
+                    left -= len(part)
+            if self._incoming.pending < fed - end:
                 # Over-read: a planned record carried no data (a TLS 1.3
                 # session ticket or KeyUpdate), so SSL_read went on into a
                 # record outside the plan, which may not have fit: ask
                 # pending() before the next batch.
                 self._leftover = True
         except ssl.SSLError as exc:
-            # Bytes that came first are returned below; what ended the batch
-            # is seen again (or kept, for an error) by the next call.
-            progress = bool(off or first)
-            result = self._read_failed(exc, pending, progress)
-            if not progress:
+            # Bytes that came first are returned; what ended the batch is
+            # seen again (or kept, for an error) by the next call.
+            if mapped >= 0:
+                calls += len(parts) - mapped + 1
+            result = self._read_failed(exc, pending, bool(parts))
+            if not parts:
                 return result
         finally:
             self.read_calls += calls
-        if buf is None:
-            if not first:
-                return _AGAIN
-            self.chunks_returned += 1
-            return memoryview(first)
-        if off < size:
-            # Padding (TLS 1.3, CBC) made the plaintext shorter than planned.
-            view.release()
-            if not off:
-                return _EOF if self._read_final is _EOF else None
-            try:
-                del buf[off:]
-            except BufferError:  # pragma: no cover - a view is still alive
-                buf = _Sealed(buf[:off])
-            view = memoryview(buf)
+        if not parts:
+            return _EOF if self._read_final is _EOF else None
+        return self._chunk(parts)
+
+    def _chunk(self, parts: list[bytes]) -> memoryview:
         self.chunks_returned += 1
-        return view.toreadonly()
+        return memoryview(parts[0] if len(parts) == 1 else b"".join(parts))
 
     # -- extra info ----------------------------------------------------------
 

@@ -34,19 +34,39 @@ RECORDS = [
 STREAM = b"".join(record(t, n) for t, n in RECORDS)
 
 
+#: What the public queries can tell about a record: whether it may start a
+#: data run (application_data with a fragment) or ends one (anything else).
+DATA, OTHER = "data", "other"
+
+
+def kind(ctype: int, length: int) -> tuple[str, int]:
+    return (DATA if ctype == APPLICATION_DATA and length else OTHER), length
+
+
+KINDS = [kind(t, n) for t, n in RECORDS]
+
+
 def walk(
     scanner: RecordScanner, stream_len: int, start: int = 0
-) -> list[tuple[int, int]]:
+) -> list[tuple[str, int]]:
     """Pretend OpenSSL consumes record by record from `start` (consumed
-    never goes back); collect what the scanner reports at each boundary."""
+    never goes back); collect each complete record as the public queries
+    see it: its kind (data_run with no overhead) and its length (the
+    smallest `avail` for which has_complete_record says complete)."""
+    scanner.set_expansion(0, 0)
     seen = []
     consumed = start
-    while True:
-        rec = scanner.next_record(consumed)
-        if rec is None:
-            break
-        seen.append(rec)
-        consumed += HEADER_SIZE + rec[1]
+    while scanner.has_complete_record(consumed):
+        lo, hi = consumed + 1, scanner.fed
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if scanner.has_complete_record(consumed, mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        count = scanner.data_run(consumed, 2**62)[2]
+        seen.append((DATA if count > 0 else OTHER, lo - consumed - HEADER_SIZE))
+        consumed = lo
     assert consumed <= stream_len
     return seen
 
@@ -55,9 +75,9 @@ def test_whole_feed() -> None:
     sc = RecordScanner()
     sc.feed(STREAM)
     assert sc.fed == len(STREAM)
-    assert sc.next_record(0) == RECORDS[0]
+    assert sc.has_complete_record(0)
     assert sc.records_consumed == 0
-    assert walk(sc, len(STREAM)) == RECORDS
+    assert walk(sc, len(STREAM)) == KINDS
     assert sc.records_consumed == len(RECORDS)
     assert sc.buffered_records == 0
 
@@ -67,7 +87,7 @@ def test_byte_by_byte() -> None:
     for i in range(len(STREAM)):
         sc.feed(STREAM[i : i + 1])
         assert sc.fed == i + 1
-    assert walk(sc, len(STREAM)) == RECORDS
+    assert walk(sc, len(STREAM)) == KINDS
 
 
 @pytest.mark.parametrize("cut", range(len(STREAM) + 1))
@@ -79,12 +99,12 @@ def test_split_at_every_offset(cut: int) -> None:
     off = 0
     for t, n in RECORDS:
         if off + HEADER_SIZE + n <= cut:
-            complete.append((t, n))
+            complete.append(kind(t, n))
         off += HEADER_SIZE + n
     assert walk(sc, cut) == complete
     sc.feed(bytearray(STREAM[cut:]))
     start = sum(HEADER_SIZE + n for _, n in complete)
-    assert complete + walk(sc, len(STREAM), start) == RECORDS
+    assert complete + walk(sc, len(STREAM), start) == KINDS
 
 
 def test_trailing_partial_header_and_body() -> None:
@@ -93,12 +113,12 @@ def test_trailing_partial_header_and_body() -> None:
     for extra in (tail[:3], tail[:HEADER_SIZE], tail[:20]):
         sc = RecordScanner()
         sc.feed(STREAM + extra)
-        assert walk(sc, len(STREAM)) == RECORDS
+        assert walk(sc, len(STREAM)) == KINDS
         # The trailing record is not complete: not reported.
-        assert sc.next_record(len(STREAM)) is None
         assert not sc.has_complete_record(len(STREAM))
+        assert sc.data_run(len(STREAM), 16384)[2] == -1
         sc.feed(tail[len(extra) :])
-        assert sc.next_record(len(STREAM)) == (APPLICATION_DATA, 50)
+        assert walk(sc, len(STREAM) + len(tail), len(STREAM)) == [(DATA, 50)]
 
 
 def test_consumed_inside_a_record() -> None:
@@ -106,11 +126,13 @@ def test_consumed_inside_a_record() -> None:
     # inside the record, which is still "the next record".
     sc = RecordScanner()
     rec = record(APPLICATION_DATA, 64)
+    sc.set_expansion(0, 0)
     sc.feed(rec[:10])
-    assert sc.next_record(HEADER_SIZE) is None
+    assert not sc.has_complete_record(HEADER_SIZE)
     sc.feed(rec[10:])
-    assert sc.next_record(HEADER_SIZE) == (APPLICATION_DATA, 64)
-    assert sc.next_record(len(rec)) is None
+    assert sc.has_complete_record(HEADER_SIZE)
+    assert sc.data_run(HEADER_SIZE, 16384) == (len(rec), 64, 1, 64)
+    assert not sc.has_complete_record(len(rec))
 
 
 @pytest.mark.parametrize(
@@ -146,7 +168,7 @@ def test_invalid_header(header: bytes, words: list[str], split: bool) -> None:
     assert sc.fed == len(good)  # only the valid prefix was accepted
     assert sc.error is info.value
     # The records in front of the bad header stay readable.
-    assert walk(sc, len(good)) == [(HANDSHAKE, 30), (APPLICATION_DATA, 20)]
+    assert walk(sc, len(good)) == [(OTHER, 30), (DATA, 20)]
     with pytest.raises(TLSRecordError):
         sc.feed(b"more")
 
@@ -154,7 +176,7 @@ def test_invalid_header(header: bytes, words: list[str], split: bool) -> None:
 def test_length_limits() -> None:
     sc = RecordScanner()
     sc.feed(record(APPLICATION_DATA, MAX_LENGTH_TLS12))  # exactly the limit is fine
-    assert sc.next_record(0) == (APPLICATION_DATA, MAX_LENGTH_TLS12)
+    assert walk(sc, HEADER_SIZE + MAX_LENGTH_TLS12) == [(DATA, MAX_LENGTH_TLS12)]
     sc = RecordScanner(MAX_LENGTH_TLS13)
     sc.feed(record(APPLICATION_DATA, MAX_LENGTH_TLS13))
     with pytest.raises(TLSRecordError, match="RFC 8446"):
@@ -168,17 +190,16 @@ def test_set_max_length_rechecks_buffered_records() -> None:
     with pytest.raises(TLSRecordError, match=f"offset {len(first)}"):
         sc.set_max_length(MAX_LENGTH_TLS13)
     assert sc.fed == len(first)
-    assert sc.next_record(0) == (APPLICATION_DATA, 100)
-    assert sc.next_record(len(first)) is None
+    assert walk(sc, len(first)) == [(DATA, 100)]
 
 
 def test_set_max_length_inside_a_partly_consumed_run() -> None:
     sc = RecordScanner()
     big = record(APPLICATION_DATA, MAX_LENGTH_TLS13 + 10)
     sc.feed(record(HANDSHAKE, 30) + big * 3)
-    assert sc.next_record(0) == (HANDSHAKE, 30)
     first = HEADER_SIZE + 30
-    assert sc.next_record(first + len(big)) == (APPLICATION_DATA, MAX_LENGTH_TLS13 + 10)
+    assert sc.has_complete_record(0, first) and not sc.has_complete_record(0, first - 1)
+    assert sc.has_complete_record(first + len(big))  # OpenSSL read two records
     assert sc.records_consumed == 2
     with pytest.raises(TLSRecordError, match=f"offset {first + len(big)}:.*above the limit"):
         sc.set_max_length(MAX_LENGTH_TLS13)
@@ -186,7 +207,7 @@ def test_set_max_length_inside_a_partly_consumed_run() -> None:
     assert sc.fed == first + len(big)
     assert sc.records_consumed == 2
     assert sc.buffered_records == 0
-    assert sc.next_record(first + len(big)) is None
+    assert not sc.has_complete_record(first + len(big))
 
 
 def test_data_run() -> None:
@@ -231,8 +252,7 @@ def test_bookkeeping_stays_bounded() -> None:
     consumed = 0
     for i in range(5000):
         sc.feed(rec if i % 7 else rec + record(HANDSHAKE, 10))
-        while sc.next_record(consumed) is not None:
-            consumed += HEADER_SIZE + sc.next_record(consumed)[1]  # type: ignore[index]
+        consumed += sum(HEADER_SIZE + n for _, n in walk(sc, sc.fed, consumed))
         assert sc.buffered_records <= 2
         assert len(sc._runs) <= 40  # consumed runs are dropped
     assert sc.records_consumed == 5000 + (5000 // 7 + 1)
@@ -306,7 +326,7 @@ def test_property_arbitrary_bytes(parts: list[bytes], cuts: list[int]) -> None:
         assert error is not None and f"offset {bad}" in str(error)
         assert sc.fed == bad
     got = walk(sc, len(stream))
-    assert got == expected[: len(got)]
+    assert got == [kind(t, n) for t, n in expected[: len(got)]]
     # Every complete record before the bad header is reported.
     assert len(got) == len(expected)
 
@@ -386,4 +406,4 @@ def test_property_repeated_headers(
     fresh = RecordScanner()
     for a, b in zip(points, points[1:]):
         fresh.feed(stream[a:b])
-    assert walk(fresh, len(stream)) == records
+    assert walk(fresh, len(stream)) == [kind(t, n) for t, n in records]
