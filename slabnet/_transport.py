@@ -57,7 +57,7 @@ from ._errors import (
     TLSTruncatedError,
 )
 from ._pool import BufferPool
-from ._slab import ReadSlab, _Sealed, _Slab
+from ._slab import ReadSizer, ReadSlab, _Sealed, _Slab
 from ._write import OutQueue, WriteRequest
 
 if TYPE_CHECKING:
@@ -108,8 +108,8 @@ _IMMUTABLE: Final = frozenset({bytes, _Slab, _Sealed})
 class _LoopResources:
     __slots__ = ("slab", "pool", "__weakref__")
 
-    def __init__(self) -> None:
-        self.slab = ReadSlab()
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.slab = ReadSlab(loop=loop)
         self.pool = BufferPool()
 
 
@@ -121,7 +121,7 @@ _resources: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopResources]
 def _loop_resources(loop: asyncio.AbstractEventLoop) -> _LoopResources:
     res = _resources.get(loop)
     if res is None:
-        res = _resources[loop] = _LoopResources()
+        res = _resources[loop] = _LoopResources(loop)
     return res
 
 
@@ -804,6 +804,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         res = _loop_resources(self._loop)
         self._slab = slab or res.slab
         self._pool = res.pool
+        self._sizer = ReadSizer()  # this connection's plain TCP read size
         self._app: Any
         self._deliver: Callable[[memoryview], None]
         self._set_app(app)
@@ -882,7 +883,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
                 # not be paused from get_buffer).
                 return self._slab.reserve_lent()[:_PAUSED_READ]
             return self._slab.reserve_lent()
-        return self._slab.reserve(sizehint)
+        return self._slab.reserve_for(self._sizer)
 
     def buffer_updated(self, nbytes: int) -> None:
         tls = self._tls
