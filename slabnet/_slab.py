@@ -99,8 +99,6 @@ DEFAULT_SLAB_SIZE: Final = 65536
 #: per byte on loopback, and a kept chunk could pin more).
 READ_SIZES: Final = tuple(1024 << i for i in range(9))
 
-_FIRST: Final = READ_SIZES.index(DEFAULT_SLAB_SIZE)
-
 #: Size of the buffer behind ``ReadSlab.reserve_lent``: reads that are only
 #: lent (TLS ciphertext, copied into the engine at once) come in reads of
 #: four slabs, asyncio's SSL read size.  Measured with ``python -m benchmarks
@@ -245,9 +243,10 @@ class MemoryStats:
     slab_bytes: int
     #: bytes of slabs that have at least one live view: really pinned memory
     pinned_bytes: int
-    #: bytes of zero-copy chunks still referenced by the application
+    #: bytes of the chunks those slabs were read for (a kept slice of a
+    #: chunk counts the whole chunk: its slab holds all of it)
     chunk_bytes_live: int
-    #: pinned bytes not covered by a live chunk (the rest of its slab)
+    #: pinned bytes beyond those chunks: the unread end of their slabs
     pinned_unused_bytes: int
     #: bytes of slabs with no live view, kept for reuse
     idle_bytes: int
