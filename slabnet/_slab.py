@@ -26,8 +26,10 @@ reads.
 Every chunk has a buffer to itself (no two reads share one), so a kept chunk
 pins only its own buffer: at most a third more than its own bytes.
 
-Buffers ("slabs") are recycled. Each ReadSlab keeps, per table size, the
-slabs it handed out, oldest first, and a stack of slabs known to be free.
+A read below 64 KiB gets a fresh buffer; buffers of 64 KiB and more
+("slabs"), whose allocation costs a 64-256 KiB ``memset`` and page faults,
+are recycled. Each ReadSlab keeps, per size, the slabs it handed out,
+oldest first, and a stack of slabs known to be free.
 A reservation looks at the oldest slabs handed out (up to ``_PROBES``): the
 first one free again is reused, a viewed one goes to the back of the line;
 failing that a free slab is taken, or a new one made. So the list grows to
@@ -116,6 +118,13 @@ _IDLE_KEEP: Final = 4 * DEFAULT_SLAB_SIZE
 #: ones): 256 busy connections reading 256 KiB each. A slab still viewed when
 #: the list is full is forgotten (freed with its last view) instead.
 _HELD_MAX: Final = 256 * READ_SIZES[-1]
+
+#: The smallest read size served by a recycled slab; a smaller read gets a
+#: buffer of its own. Below 64 KiB a fresh buffer costs a small ``malloc``
+#: and ``memset``, less than keeping a slab of every size a connection's
+#: reads pass through (a connection whose reads shrink from 64 KiB to 1 KiB
+#: would leave 63 KiB of slabs behind until the next trim).
+_SLAB_MIN: Final = DEFAULT_SLAB_SIZE
 
 #: How many of the oldest slabs handed out a reservation looks at before it
 #: takes a free one: a connection's application may still hold its last
@@ -421,7 +430,7 @@ class ReadSlab:
             raise ValueError(f"slab size must be positive, got {size}")
         #: the size ``reserve(-1)`` reserves
         self.size: Final = size
-        self._pools = [_Pool(s) for s in READ_SIZES]
+        self._pools = {s: _Pool(s) for s in READ_SIZES if s >= _SLAB_MIN}
         # The pending reservation: its pool (None: a buffer of its own, or
         # the lending buffer), its buffer, its sizer, its size (0: none).
         self._pool: _Pool | None = None
@@ -442,24 +451,31 @@ class ReadSlab:
     # ------------------------------------------------ reservations
 
     def reserve_for(self, sizer: ReadSizer) -> memoryview:
-        """Return a slab of ``sizer.size`` bytes for the next read; ``commit``
-        tells ``sizer`` what the read brought."""
+        """Return a buffer of ``sizer.size`` bytes for the next read;
+        ``commit`` tells ``sizer`` what the read brought."""
         self._sizer = sizer
         self._lending = False
-        return self._take(self._pools[sizer.index])
+        size = sizer.size
+        if size >= _SLAB_MIN:
+            return self._take(self._pools[size])
+        return self._own(size)
 
     def reserve(self, hint: int) -> memoryview:
         """Return a writable buffer of ``hint`` bytes (``size`` for -1; one
-        byte for 0) for the next read: a slab for a size of ``READ_SIZES``,
-        otherwise a buffer of its own."""
+        byte for 0) for the next read: a slab for a size of ``READ_SIZES``
+        from 64 KiB up, otherwise a buffer of its own."""
         if hint < 0:
             hint = self.size
         elif hint == 0:
             hint = 1
         self._sizer = None
         self._lending = False
-        if hint in READ_SIZES:
-            return self._take(self._pools[READ_SIZES.index(hint)])
+        pool = self._pools.get(hint)
+        if pool is not None:
+            return self._take(pool)
+        return self._own(hint)
+
+    def _own(self, hint: int) -> memoryview:
         self._pool = None
         self._reserved = hint
         _counters.reserved_bytes += hint
@@ -623,7 +639,7 @@ class ReadSlab:
         self._buf = None
         self._lending = False
         keep = _IDLE_KEEP
-        for pool in reversed(self._pools):
+        for pool in sorted(self._pools.values(), key=lambda p: -p.size):
             free = pool.free
             if idle:
                 for slab in pool.out:
@@ -656,7 +672,7 @@ class ReadSlab:
             self._start_timer()
 
     def _count(self) -> int:
-        return sum(len(p.out) + len(p.free) for p in self._pools)
+        return sum(len(p.out) + len(p.free) for p in self._pools.values())
 
     def __repr__(self) -> str:
         return f"<ReadSlab size={self.size} held={self._count()} slabs, {self._held} bytes>"

@@ -117,15 +117,21 @@ def test_slabs_are_reused_across_connections_without_allocating() -> None:
     assert all(bytes(h[:1]) == bytes([39]) for h in held if h is not None)
 
 
-def test_a_chunk_pins_only_its_own_slab() -> None:
+def test_a_chunk_pins_only_its_own_buffer() -> None:
     gc.collect()
     base = slabnet.memory_stats()
     slab, sizer = ReadSlab(), ReadSizer(FLOOR)
-    kept = [read(slab, sizer, sizer.size) for _ in range(3)]  # 1, 4, 16 KiB
-    assert [len(k) for k in kept] == [1 * KiB, 4 * KiB, 16 * KiB]
+    kept = [read(slab, sizer, sizer.size) for _ in range(5)]
+    sizes = [1 * KiB, 4 * KiB, 16 * KiB, 64 * KiB, 256 * KiB]
+    assert [len(k) for k in kept] == sizes
+    # Each is a view of a buffer of exactly its size: below 64 KiB one of
+    # its own, from 64 KiB up a recycled slab.
+    assert [len(k.obj) for k in kept] == sizes  # type: ignore[arg-type]
+    assert [type(k.obj).__name__ for k in kept] == ["_Sealed"] * 3 + ["_Slab"] * 2
     stats = slabnet.memory_stats()
-    assert stats.pinned_bytes - base.pinned_bytes == 21 * KiB
-    assert stats.chunk_bytes_live - base.chunk_bytes_live == 21 * KiB
+    assert stats.pinned_bytes - base.pinned_bytes == 320 * KiB
+    assert stats.chunk_bytes_live - base.chunk_bytes_live == 320 * KiB
+    assert stats.own_buffers - base.own_buffers == 3
 
 
 @settings(max_examples=150, deadline=None)
