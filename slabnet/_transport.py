@@ -64,7 +64,7 @@ from typing import Any, Final, cast
 
 from ._errors import LocalAbortError
 from ._pool import BufferPool
-from ._slab import ReadSlab, _Sealed, _Slab
+from ._slab import ReadSizer, ReadSlab, _Sealed, _Slab
 from ._write import OutQueue, WriteRequest
 
 __all__ = [
@@ -104,8 +104,8 @@ _IMMUTABLE: Final = frozenset({bytes, _Slab, _Sealed})
 class _LoopResources:
     __slots__ = ("slab", "pool", "__weakref__")
 
-    def __init__(self) -> None:
-        self.slab = ReadSlab()
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.slab = ReadSlab(loop=loop)
         self.pool = BufferPool()
 
 
@@ -117,7 +117,7 @@ _resources: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopResources]
 def _loop_resources(loop: asyncio.AbstractEventLoop) -> _LoopResources:
     res = _resources.get(loop)
     if res is None:
-        res = _resources[loop] = _LoopResources()
+        res = _resources[loop] = _LoopResources(loop)
     return res
 
 
@@ -722,6 +722,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         res = _loop_resources(self.loop)
         self._slab = slab or res.slab
         self._pool = res.pool
+        self._sizer = ReadSizer()  # this connection's plain read size
         self._waiter = handshake_waiter
         # Plain: the app is ready when it has its transport. With TLS the
         # layer above tells the waiter, after the handshake.
@@ -784,7 +785,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int) -> memoryview:
         if self._borrows:
             return self._slab.reserve_lent()
-        return self._slab.reserve(sizehint)
+        return self._slab.reserve_for(self._sizer)
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._borrows:

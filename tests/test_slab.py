@@ -62,8 +62,8 @@ def test_exactly_three_quarters_is_not_copied() -> None:
     del buf
 
 
-def test_small_hint_owns_an_exact_size_buffer() -> None:
-    # Seed 000: a read suggested smaller than the slab never shares one.
+def test_odd_hint_owns_an_exact_size_buffer() -> None:
+    # A size no slab has gets a buffer of its own; no read shares one.
     slab = ReadSlab()
     buf = slab.reserve(320)
     assert len(buf) == 320
@@ -243,26 +243,31 @@ def test_reserve_lent_uses_one_lending_buffer_and_no_slab() -> None:
     assert after.slabs_allocated == before.slabs_allocated + 1  # the commit's
 
 
-def test_consume_lends_the_region_without_advancing_or_copying() -> None:
+def test_consume_lends_the_lending_buffer_without_copying() -> None:
     slab = ReadSlab()
     before = slabnet.memory_stats()
-    buf = slab.reserve(-1)
+    buf = slab.reserve_lent()
     fill(buf, b"c" * 5000)
     del buf
     lent = slab.consume(5000)
     assert bytes(lent) == b"c" * 5000
     copied = bytes(lent)  # what the TLS engine does with it
     del lent
-    # Not advanced: the next read lands on the same bytes.
-    buf = slab.reserve(-1)
+    # Not kept: the next lent read lands on the same bytes.
+    buf = slab.reserve_lent()
     fill(buf, b"d" * 10)
-    chunk = slab.commit(65536 * 3 // 4)
-    assert bytes(chunk[:10]) == b"d" * 10
+    del buf
+    assert bytes(slab.consume(10)) == b"d" * 10
     assert copied == b"c" * 5000
     after = slabnet.memory_stats()
-    assert after.lent_reads == before.lent_reads + 1
+    assert after.lent_reads == before.lent_reads + 2
     assert after.copies == before.copies  # consume never copies
+    assert after.slabs_allocated == before.slabs_allocated
     with pytest.raises(RuntimeError, match="consume"):
+        slab.consume(1)
+    # Only lent reservations are consumed: a slab read becomes a chunk.
+    slab.reserve(-1)
+    with pytest.raises(RuntimeError, match="reserve_lent"):
         slab.consume(1)
 
 
