@@ -57,10 +57,26 @@ def _tls(record: int, shape: str, b: str, bound: float, a: str = "slabnet-chunks
                   "tls_s2c", {"record": record, "shape": shape}, "cpu_s_per_gib", a, b, "<=", bound)
 
 
-def _write(wsize: int, loop: str, op: Literal[">=", "<="], bound: float) -> Target:
+def _write(wsize: int, loop: str, op: Literal[">=", "<="], bound: float, burst: int = 1) -> Target:
     a, b = f"slabnet/{loop}", f"streams/{loop}"
-    return Target(f"c2s {wsize // K} KiB writes: {a} MiB/s {op} {bound}x {b}", "c2s", {"wsize": wsize},
+    shape = f"{burst}x{wsize // K} KiB writes, then drain" if burst > 1 else f"{wsize // K} KiB writes"
+    return Target(f"c2s {shape}: {a} MiB/s {op} {bound}x {b}", "c2s", {"wsize": wsize, "burst": burst},
                   "mibps", a, b, op, bound)
+
+
+# Issue 14: the data path at scale (busy connections, idle memory).
+
+def _busy(record: int, a: str, b: str, bound: float) -> list[Target]:
+    kind = f"TLS {record // K} KiB records" if record else "plain"
+    return [Target(f"busy {kind}, n={n}: {a} CPU/GiB <= {bound}x {b}", "busy", {"record": record, "n": n},
+                   "cpu_s_per_gib", a, b, "<=", bound)
+            for n in (1, 64)]
+
+
+def _idle(tls: int, a: str, b: str, bound: float) -> Target:
+    kind = "TLS" if tls else "plain"
+    return Target(f"idle server {kind}: {a} RSS/conn <= {bound}x {b}", "idle", {"side": "server", "tls": tls},
+                  "rss_per_conn_kib", a, b, "<=", bound)
 
 
 TARGETS: tuple[Target, ...] = (
@@ -82,6 +98,24 @@ TARGETS: tuple[Target, ...] = (
     _write(1024 * K, "uvloop", ">=", 0.95),
     Target("retention over TLS: slabnet-chunks/asyncio retained <= 1.5x kept bytes", "retention",
            {"tls": 1}, "retained_ratio", "slabnet-chunks/asyncio", None, "<=", 1.5),
+    # Issue 14.
+    *_busy(0, "slabnet-chunks/asyncio", "proto/asyncio", 1.25),
+    *_busy(0, "slabnet-chunks/uvloop", "proto/uvloop", 1.25),
+    *_busy(0, "slabnet-read/asyncio", "streams/asyncio", 0.6),
+    *_busy(0, "slabnet-read/uvloop", "streams/uvloop", 0.6),
+    *_busy(16 * K, "slabnet-chunks/asyncio", "proto/asyncio", 1.0),
+    *_busy(1 * K, "slabnet-chunks/asyncio", "proto/asyncio", 1.0),
+    _idle(0, "slabnet/asyncio", "streams/asyncio", 1.0),
+    _idle(0, "slabnet/uvloop", "streams/uvloop", 1.0),
+    _idle(1, "slabnet/asyncio", "streams/uvloop", 0.8),
+    _idle(1, "slabnet/uvloop", "streams/uvloop", 0.8),
+    *(Target(f"idle server {'TLS' if tls else 'plain'}: slabnet/{loop} fds/conn <= 1", "idle",
+             {"side": "server", "tls": tls}, "fds_per_conn", f"slabnet/{loop}", None, "<=", 1.0)
+      for tls in (0, 1) for loop in ("asyncio", "uvloop")),
+    Target("retention over TLS (issue 14): slabnet-chunks/asyncio retained <= 1.2x kept bytes", "retention",
+           {"tls": 1}, "retained_ratio", "slabnet-chunks/asyncio", None, "<=", 1.2),
+    _write(1 * K, "asyncio", ">=", 2.0, burst=64),
+    _write(1 * K, "uvloop", ">=", 2.0, burst=64),
 )
 
 

@@ -1,5 +1,11 @@
-"""Write path, client to server: ``wsize``-byte writes, each followed by
-``await writer.drain()`` (the asyncio idiom), plain TCP and TLS.
+"""Write path, client to server, in two shapes, plain TCP and TLS:
+
+* ``burst=1``: ``wsize``-byte writes, each followed by ``await
+  writer.drain()`` (the asyncio idiom);
+* ``burst=64``: 64 writes of ``wsize`` bytes, then one ``drain()`` (a
+  protocol encoder emitting many small frames per loop iteration).  Run
+  with 1 KiB writes only: with larger ones a drain per write is already the
+  cheap case (``--set wsize=`` with ``burst=64`` measures no other size).
 
 The server is a blocking socket (an ``ssl.SSLSocket`` for TLS) that reads
 and discards ``size`` bytes, then sends a one-byte acknowledgement; the
@@ -11,21 +17,30 @@ from __future__ import annotations
 from typing import Any
 
 from ..common import KiB, MiB, is_tls, send, serve_sink
-from ..core import SLABNET_WRITER, STREAMS, ClientContext, Scenario
+from ..core import SLABNET_WRITER, STREAMS, ClientContext, Impl, Params, Scenario
+
+#: The largest write the ``burst`` shape is measured with.
+BURST_WSIZE = 1 * KiB
 
 
 async def client(ctx: ClientContext) -> dict[str, Any]:
     p = ctx.params
-    return await send(ctx, int(p["size"]), int(p["wsize"]), tls=is_tls(p))
+    return await send(ctx, int(p["size"]), int(p["wsize"]), tls=is_tls(p), burst=int(p["burst"]))
+
+
+def _impl_filter(impl: Impl, params: Params) -> bool:
+    # A configuration no implementation runs is left out of the plan.
+    return int(params["burst"]) == 1 or int(params["wsize"]) <= BURST_WSIZE
 
 
 SCENARIO = Scenario(
     name="c2s",
     title="Write path, client to server, by write size",
     doc=__doc__ or "",
-    params={"wsize": [1 * KiB, 16 * KiB, 1 * MiB], "tls": [0, 1], "size": [128 * MiB]},
+    params={"wsize": [1 * KiB, 16 * KiB, 1 * MiB], "burst": [1, 64], "tls": [0, 1], "size": [128 * MiB]},
     quick={"size": [2 * MiB]},
     impls=SLABNET_WRITER + STREAMS,
+    impl_filter=_impl_filter,
     client=client,
     server=serve_sink,
     plot_x="wsize",
