@@ -23,7 +23,8 @@ pieces while it decrypts and copies the rest before the call returns
 decrypted chunks -- coalesced records, each in a buffer of its own exact
 size -- go to the app. A whole read is delivered even if the app pauses
 reading during it (as asyncio's SSL transport does); pausing pauses the
-plain connection at once, so nothing more is read until the app resumes.
+plain connection, whose next read takes in at most 1 KiB, holds it and
+pauses the socket, so the engine's BIO never grows while the app is paused.
 
 Writes. Plaintext written during a loop iteration is gathered and encrypted
 in one ``write_many`` at the end of it (or once ``CORK_LIMIT`` bytes wait),

@@ -84,6 +84,10 @@ DEFAULT_HIGH_WATER: Final = 64 * 1024
 #: or earlier once this much is waiting: one ``sendmsg`` per 64 KiB at most.
 CORK_LIMIT: Final = 64 * 1024
 
+#: The most a read made while the upper protocol is paused takes in (and
+#: holds until it resumes); that read also pauses the socket.
+_PAUSED_READ: Final = 1024
+
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
 
 #: asyncio's LOG_THRESHOLD_FOR_CONNLOST_WRITES: writes on a closed connection
@@ -278,10 +282,8 @@ class SlabTransport(WriteGate, asyncio.Transport):
         self._flush_scheduled = False
         self._corked = 0  # pooled bytes waiting for the end-of-iteration flush
         self._eof_sent = False
-        self._peer_eof = False  # the loop's transport read EOF: never resume it
         self._error: BaseException | None = None
         self._raw_gone = False  # the loop closed its transport with bytes queued
-        self._reading_paused = False
         self._init_gate()
 
     # ------------------------------------------------ lifecycle gate
@@ -312,21 +314,18 @@ class SlabTransport(WriteGate, asyncio.Transport):
 
     # ------------------------------------------------ reading
 
+    # The reading state is the protocol's, which makes the reads.
+
     def is_reading(self) -> bool:
-        return not self._reading_paused and self._state is not _State.CLOSED
+        return self._state is not _State.CLOSED and self._proto.is_reading()
 
     def pause_reading(self) -> None:
-        if self._reading_paused or self._state is _State.CLOSED:
-            return
-        self._reading_paused = True
-        self._raw.pause_reading()
+        if self._state is not _State.CLOSED:
+            self._proto.pause_reading()
 
     def resume_reading(self) -> None:
-        if not self._reading_paused or self._closing:
-            return  # (a closed connection reads no more, as asyncio's)
-        self._reading_paused = False
-        if not self._peer_eof:
-            self._raw.resume_reading()
+        if not self._closing:  # (a closed connection reads no more, as asyncio's)
+            self._proto.resume_reading()
 
     # ------------------------------------------------ writing: public
 
@@ -508,9 +507,7 @@ class SlabTransport(WriteGate, asyncio.Transport):
         if self._state is not _State.OPEN:
             return
         self._set_state(_State.CLOSING)
-        if not self._reading_paused and not self._peer_eof:
-            self._reading_paused = True
-            self._raw.pause_reading()
+        self._proto.pause_reading()
         self._maybe_close_raw()
 
     def abort(self, exc: BaseException | None = None) -> None:
@@ -617,9 +614,6 @@ class SlabTransport(WriteGate, asyncio.Transport):
                 self._abort(exc)
 
     # ------------------------------------------------ the protocol's side
-
-    def _eof_received(self) -> None:
-        self._peer_eof = True
 
     def _outlive_raw(self) -> bool:
         """The loop closed its transport with our bytes still queued: send them.
@@ -747,6 +741,17 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._transport: SlabTransport | None = None
         self._upper_made = False  # the upper protocol's connection_made was called
         self._lost = False
+        # Reading. pause_reading() only sets _paused; the socket itself is
+        # paused by the next read made while paused, which takes in at most
+        # _PAUSED_READ bytes and holds them (_held) for after resume. So an
+        # upper protocol that is drained before the loop reads again -- a
+        # stream whose consumer keeps up -- costs no system call at all.
+        self._paused = False
+        self._socket_paused = False
+        self._eof = False  # the loop's transport read EOF: never resume it
+        self._pause_buf: bytearray | None = None
+        self._held: memoryview | None = None
+        self._release_scheduled = False
 
     def set_upper(self, upper: Any) -> None:
         """Make ``upper`` the protocol that gets this connection's chunks."""
@@ -783,12 +788,19 @@ class SlabProtocol(asyncio.BufferedProtocol):
             waiter.set_result(None)
 
     def get_buffer(self, sizehint: int) -> memoryview:
+        if self._paused:
+            buf = self._pause_buf = bytearray(_PAUSED_READ)
+            return memoryview(buf)
         if self._borrows:
             return self._slab.reserve_lent()
         return self._slab.reserve_for(self._sizer)
 
     def buffer_updated(self, nbytes: int) -> None:
-        if self._borrows:
+        # (Nothing runs between get_buffer and buffer_updated: _paused is
+        # what it was there.)
+        if self._paused:
+            self._hold(nbytes)
+        elif self._borrows:
             # Only lent: the upper protocol copies it before returning, so
             # no chunk is made and no slab is pinned.
             self._deliver(self._slab.consume(nbytes))
@@ -799,7 +811,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         tr = self._transport
         if tr is None:
             return None  # the connection is already gone
-        tr._eof_received()
+        self._eof = True
         keep_open = self.upper.eof_received()
         if not keep_open:
             tr.close()
@@ -822,14 +834,74 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if self._ready_when_made and waiter is not None and not waiter.done():
             waiter.set_exception(err or ConnectionResetError("connection lost"))
         self._transport = None
-        if self._upper_made:
-            self.upper.connection_lost(err)
+        if not self._upper_made:
+            return
+        held = self._held
+        if held is not None:  # what arrived before the end is delivered first
+            self._held = None
+            try:
+                self._deliver(held)
+            finally:
+                self.upper.connection_lost(err)
+            return
+        self.upper.connection_lost(err)
 
     def pause_writing(self) -> None:  # the loop transport never writes
         pass
 
     def resume_writing(self) -> None:
         pass
+
+    # ------------------------------------------------ reading control
+    # (SlabTransport's pause_reading/resume_reading/is_reading)
+
+    def is_reading(self) -> bool:
+        return not self._paused
+
+    def pause_reading(self) -> None:
+        self._paused = True
+
+    def resume_reading(self) -> None:
+        if not self._paused:
+            return
+        self._paused = False
+        if self._held is not None:
+            # Delivered from the loop, not from inside the caller (a stream
+            # resumes in the middle of a read), and before any newer read:
+            # the socket resumes only once the held bytes are delivered.
+            if not self._release_scheduled:
+                self._release_scheduled = True
+                self.loop.call_soon(self._release_held)
+        elif self._socket_paused:
+            self._resume_socket()
+
+    def _hold(self, nbytes: int) -> None:
+        """A read made while paused: keep its bytes, pause the socket."""
+        buf = self._pause_buf
+        assert buf is not None
+        self._pause_buf = None
+        data = bytes(memoryview(buf)[:nbytes])
+        held = self._held
+        self._held = memoryview(data if held is None else held.tobytes() + data)
+        if not self._socket_paused:
+            self._socket_paused = True
+            assert self._raw is not None
+            self._raw.pause_reading()
+
+    def _release_held(self) -> None:
+        self._release_scheduled = False
+        held = self._held
+        if self._paused or held is None or self._transport is None:
+            return  # paused again meanwhile, or gone (connection_lost delivers)
+        self._held = None
+        self._deliver(held)
+        if not self._paused and self._socket_paused:
+            self._resume_socket()
+
+    def _resume_socket(self) -> None:
+        self._socket_paused = False
+        if not self._eof and self._raw is not None:
+            self._raw.resume_reading()
 
     # ------------------------------------------------ failure
 

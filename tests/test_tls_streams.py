@@ -482,10 +482,10 @@ async def test_pausing_a_tls_stream_pauses_the_socket_and_bounds_the_bio(
     server_cert: Any, tls_ca: Any
 ) -> None:
     # Each read is delivered whole, which may take the stream over its
-    # high-water mark and pause reading.  The pause reaches the socket at
-    # once (the plain connection under the TLS layer pauses), so while the
-    # stream is paused nothing more is read: the engine's BIO keeps at most
-    # a partial record.  Every byte arrives.
+    # high-water mark and pause reading.  The plain connection under the
+    # TLS layer pauses with it: its next read takes in at most 1 KiB, holds
+    # it and pauses the socket, so while the stream is paused the engine's
+    # BIO keeps at most a partial record.  Every byte arrives.
     payload = os.urandom(16 * 1024 * 1024)
 
     async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
