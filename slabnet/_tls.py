@@ -79,9 +79,10 @@ processed in the middle of a batch.
 When no complete record is left in the BIO and OpenSSL holds no decrypted
 bytes (``SSLObject.pending() == 0``), ``read_chunk`` returns None without
 calling ``SSLObject.read``: that read could only raise ``SSLWantReadError``,
-which costs an exception and an OpenSSL error-queue walk (cpython issue
-123954).  The engine never writes EOF into the BIO; it decides between clean
-EOF and truncation itself, from what the scanner has seen.
+which costs an exception and an OpenSSL error-queue walk (CPython's
+gh-123954; what that costs is in benchmarks/README.md).  The engine never
+writes EOF into the BIO; it decides between clean EOF and truncation itself,
+from what the scanner has seen.
 
 Chunk ownership
 ---------------

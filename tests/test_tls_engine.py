@@ -542,6 +542,31 @@ def test_close_notify_inside_a_run_of_equal_records(
     assert c2.read_chunk() == b""
 
 
+def test_close_notify_inside_a_batch_of_unequal_records(
+    ca: trustme.CA, server_cert: trustme.LeafCert
+) -> None:
+    # Records of different sizes are read one by one into one chunk (no
+    # shared bound); a TLS 1.3 close_notify, planned into the batch as an
+    # application_data record, ends it: the data in front of it comes back
+    # in one exact-size chunk, then EOF, and nothing after it.
+    c, s = make_pair(contexts(ca, server_cert, ssl.TLSVersion.TLSv1_3))
+    sizes = [300, 7, 1200, 45]
+    for i, n in enumerate(sizes):
+        s.write(bytes([65 + i]) * n)
+    s.start_shutdown()
+    wire = s.data_to_send()
+    calls = c.read_calls
+    c.receive_data(wire + wire[-30:])  # and bytes after close_notify
+    chunk = c.read_chunk()
+    expected = b"".join(bytes([65 + i]) * n for i, n in enumerate(sizes))
+    assert chunk is not None and bytes(chunk) == expected
+    assert len(chunk.obj) == len(chunk)  # type: ignore[arg-type]
+    assert c.read_calls - calls == len(sizes) + 1  # one read a record
+    assert c.eof_received
+    assert c.read_chunk() == b""
+    assert c.read_chunk() == b""
+
+
 @pytest.mark.parametrize("batch", [3, 100])
 def test_session_tickets_inside_a_run_of_equal_records(
     ca: trustme.CA, server_cert: trustme.LeafCert, batch: int
