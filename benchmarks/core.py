@@ -79,12 +79,14 @@ SLABNET_PROTO = _on_both_loops("slabnet-proto")
 STREAMS = _on_both_loops("streams")
 PROTO = _on_both_loops("proto")
 SLABNET_WRITER = _on_both_loops("slabnet")
+# httpx with slabnet.contrib's transport, and with httpx's default one.
+HTTPX = _on_both_loops("slabnet-httpx", "httpx")
 CEILING = Impl("ceiling", "asyncio", needs_server=False, on_loop=False)
 FLOOR = Impl("floor", "asyncio", on_loop=False)
 
 ALL_IMPLS: tuple[Impl, ...] = tuple(
     SLABNET_CHUNKS + SLABNET_READ + SLABNET_PROTO + SLABNET_WRITER + STREAMS + PROTO
-    + [FLOOR, CEILING]
+    + [FLOOR, CEILING] + HTTPX
 )
 
 

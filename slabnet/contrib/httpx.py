@@ -1,0 +1,163 @@
+"""httpx on slabnet: ``AsyncSlabnetTransport``.
+
+The one-liner::
+
+    client = httpx.AsyncClient(transport=AsyncSlabnetTransport())
+
+``httpx.AsyncHTTPTransport`` takes no network backend, so this transport
+builds its own ``httpcore.AsyncConnectionPool`` over
+``slabnet.contrib.httpcore.SlabnetBackend`` and does what httpx's own does
+around it, with httpx's public API only: an ``httpx.Request`` becomes an
+``httpcore.Request`` (method, URL parts, raw headers, the body stream and
+the extensions, which carry the timeouts), the ``httpcore.Response`` becomes
+an ``httpx.Response`` whose stream maps errors while it is read, and every
+httpcore exception becomes the httpx exception of the same name, with the
+same message, raised from it.
+
+HTTP/1.1 only (keep-alive and streamed bodies); no proxies. The pool
+options are httpx's: ``verify`` (an ``ssl.SSLContext``, or True/False),
+``limits``, ``trust_env`` (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when
+``verify`` is True), ``uds``, ``local_address``, ``retries`` (connection
+attempts), ``socket_options``.
+"""
+
+from __future__ import annotations
+
+import ssl
+from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from types import TracebackType
+from typing import Final, NoReturn
+
+import httpcore
+import httpx
+
+from .httpcore import SlabnetBackend
+
+__all__ = ["AsyncSlabnetTransport"]
+
+#: httpx's default limits (``httpx.AsyncClient`` uses the same).
+DEFAULT_LIMITS: Final = httpx.Limits(max_connections=100, max_keepalive_connections=20)
+
+#: httpcore's exceptions and httpx's, most specific first: the first match wins.
+_ERRORS: Final[tuple[tuple[type[Exception], type[httpx.TransportError]], ...]] = (
+    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
+    (httpcore.ReadTimeout, httpx.ReadTimeout),
+    (httpcore.WriteTimeout, httpx.WriteTimeout),
+    (httpcore.PoolTimeout, httpx.PoolTimeout),
+    (httpcore.TimeoutException, httpx.TimeoutException),
+    (httpcore.ConnectError, httpx.ConnectError),
+    (httpcore.ReadError, httpx.ReadError),
+    (httpcore.WriteError, httpx.WriteError),
+    (httpcore.NetworkError, httpx.NetworkError),
+    (httpcore.ProxyError, httpx.ProxyError),
+    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
+    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
+    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
+    (httpcore.ProtocolError, httpx.ProtocolError),
+)
+
+
+def _raise_mapped(exc: Exception) -> NoReturn:
+    for theirs, ours in _ERRORS:
+        if isinstance(exc, theirs):
+            raise ours(str(exc)) from exc
+    raise exc
+
+
+class _ResponseStream(httpx.AsyncByteStream):
+    """The body of an httpcore response, with httpcore's errors as httpx's."""
+
+    def __init__(self, stream: AsyncIterable[bytes]) -> None:
+        self._stream = stream
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        try:
+            async for part in self._stream:
+                yield part
+        except Exception as exc:
+            _raise_mapped(exc)
+
+    async def aclose(self) -> None:
+        aclose = getattr(self._stream, "aclose", None)
+        if aclose is not None:
+            try:
+                await aclose()
+            except Exception as exc:
+                _raise_mapped(exc)
+
+
+class AsyncSlabnetTransport(httpx.AsyncBaseTransport):
+    """An httpx transport whose connections are slabnet's (HTTP/1.1)."""
+
+    def __init__(
+        self,
+        verify: ssl.SSLContext | bool = True,
+        *,
+        limits: httpx.Limits = DEFAULT_LIMITS,
+        trust_env: bool = True,
+        uds: str | None = None,
+        local_address: str | None = None,
+        retries: int = 0,
+        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+        backend: SlabnetBackend | None = None,
+    ) -> None:
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=httpx.create_ssl_context(verify=verify, trust_env=trust_env),
+            max_connections=limits.max_connections,
+            max_keepalive_connections=limits.max_keepalive_connections,
+            keepalive_expiry=limits.keepalive_expiry,
+            http1=True,
+            http2=False,
+            uds=uds,
+            local_address=local_address,
+            retries=retries,
+            socket_options=socket_options,
+            network_backend=backend or SlabnetBackend(),
+        )
+
+    @property
+    def pool(self) -> httpcore.AsyncConnectionPool:
+        """The httpcore pool behind the transport (``pool.connections``)."""
+        return self._pool
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if not isinstance(request.stream, httpx.AsyncByteStream):
+            raise TypeError("AsyncSlabnetTransport needs an async request body")
+        url = request.url
+        core_request = httpcore.Request(
+            method=request.method,
+            url=httpcore.URL(
+                scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
+            ),
+            headers=request.headers.raw,
+            content=request.stream,
+            extensions=request.extensions,
+        )
+        try:
+            response = await self._pool.handle_async_request(core_request)
+        except Exception as exc:
+            _raise_mapped(exc)
+        assert isinstance(response.stream, AsyncIterable)
+        return httpx.Response(
+            status_code=response.status,
+            headers=response.headers,
+            stream=_ResponseStream(response.stream),
+            extensions=response.extensions,
+        )
+
+    async def aclose(self) -> None:
+        try:
+            await self._pool.aclose()
+        except Exception as exc:
+            _raise_mapped(exc)
+
+    async def __aenter__(self) -> AsyncSlabnetTransport:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None = None,
+        exc_value: BaseException | None = None,
+        traceback: TracebackType | None = None,
+    ) -> None:
+        await self.aclose()
