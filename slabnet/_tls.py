@@ -128,7 +128,6 @@ from __future__ import annotations
 import enum
 import functools
 import ssl
-from collections import deque
 from collections.abc import Sequence
 from itertools import repeat
 from typing import Any, Final, Union
@@ -363,8 +362,10 @@ class TLSEngine:
         self._read_final: object = None
         self._error: BaseException | None = None  # why we are BROKEN
         self._leftover = False  # OpenSSL may hold decrypted bytes
-        self._held: deque[memoryview] = deque()  # drained at shutdown
-        self._blocked: deque[bytes] = deque()  # writes waiting for a handshake
+        # Both rarely hold anything: lists (an empty deque costs 760 bytes
+        # per connection, an empty list 56).
+        self._held: list[memoryview] = []  # drained at shutdown
+        self._blocked: list[bytes] = []  # writes waiting for a handshake
         # Stream offset up to which ciphertext is in the incoming BIO,
         # counted from what went in (the scanner may have parsed further, see
         # lend_data, or, after an invalid header, accepted less: the start
@@ -576,7 +577,7 @@ class TLSEngine:
         if self._state is _HANDSHAKING:
             return None
         if self._held:
-            return self._held.popleft()
+            return self._held.pop(0)
         # One batch, as described in the module docstring; again after a
         # record without data (_AGAIN) or when lent input remains.
         incoming = self._incoming
@@ -761,7 +762,7 @@ class TLSEngine:
         while blocked and self._state is not _BROKEN:
             if self._ssl_io(_Op.WRITE, blocked[0]) is _AGAIN:
                 return
-            blocked.popleft()
+            del blocked[0]
             self._seal_if_full()
         if self._shutdown_after_writes and not blocked:
             self._shutdown_after_writes = False
