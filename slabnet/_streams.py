@@ -778,8 +778,12 @@ class StreamWriter:
         server_hostname: str | None = None,
         ssl_handshake_timeout: float | None = None,
         ssl_shutdown_timeout: float | None = None,
+        ssl_ragged_eof: bool = True,
+        ssl_session: _ssl.SSLSession | None = None,
     ) -> None:
-        """Upgrade the connection to TLS (STARTTLS), client or server side."""
+        """Upgrade the connection to TLS (STARTTLS), client or server side.
+
+        ``ssl_ragged_eof`` and ``ssl_session`` as for ``open_connection``."""
         server_side = self._protocol._client_connected_cb is not None
         await self.drain()
         transport = self._transport
@@ -791,6 +795,8 @@ class StreamWriter:
             server_hostname=server_hostname,
             ssl_handshake_timeout=ssl_handshake_timeout,
             ssl_shutdown_timeout=ssl_shutdown_timeout,
+            ssl_ragged_eof=ssl_ragged_eof,
+            ssl_session=ssl_session,
         )
         assert isinstance(tls, TLSTransport)
         # From now on every write goes through the TLS layer: one made while

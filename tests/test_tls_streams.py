@@ -875,3 +875,38 @@ async def test_starttls_writes_made_during_the_handshake_are_encrypted(
         writer.transport.abort()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_starttls_resumes_a_session(server_cert: Any, tls_ca: Any) -> None:
+    # StreamWriter.start_tls takes ssl_session, as open_connection does: a
+    # second STARTTLS connection resumes the first one's TLS 1.2 session.
+    sctx = server_ctx(server_cert, ssl.TLSVersion.TLSv1_2)
+    cctx = client_ctx(tls_ca, ssl.TLSVersion.TLSv1_2)
+    upgraded: list[Any] = []
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        await _starttls_server_side(reader, writer, sctx, upgraded)
+
+    server = await slabnet.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    session = None
+    reused = []
+    try:
+        async with asyncio.timeout(10):
+            for _ in range(2):
+                reader, writer = await slabnet.open_connection("127.0.0.1", port)
+                writer.write(b"STARTTLS\r\n")
+                assert await reader.readline() == b"220 go ahead\r\n"
+                await writer.start_tls(cctx, server_hostname="localhost", ssl_session=session)
+                ssl_object = writer.get_extra_info("ssl_object")
+                reused.append(ssl_object.session_reused)
+                session = ssl_object.session
+                writer.write(b"ping\n")
+                assert await reader.readline() == b"PING\n"
+                writer.close()
+                await writer.wait_closed()
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert reused == [False, True]
