@@ -13,7 +13,7 @@ from ._errors import (
     TLSTruncatedError,
 )
 from ._pool import DEFAULT_POOL_SIZE, BufferPool
-from ._slab import DEFAULT_SLAB_SIZE, MemoryStats, ReadSlab, memory_stats
+from ._slab import DEFAULT_SLAB_SIZE, MemoryStats, ReadSizer, ReadSlab, memory_stats
 from ._streams import (
     StreamReader,
     StreamWriter,
@@ -37,6 +37,7 @@ __all__ = [
     "HandshakeTimeoutError",
     "LocalAbortError",
     "MemoryStats",
+    "ReadSizer",
     "ReadSlab",
     "ShutdownTimeoutError",
     "SlabProtocol",
