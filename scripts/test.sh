@@ -16,7 +16,8 @@ other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py
              tests/test_records.py tests/test_tls_engine.py
              tests/test_plugin.py  # Server.wait_closed() waits for connections from 3.12
              tests/test_reader_hardening.py  # tuple separators from 3.13
-             tests/test_writer_hardening.py)  # Server.close_clients() from 3.13
+             tests/test_writer_hardening.py  # Server.close_clients() from 3.13
+             tests/test_adaptive_reads.py)
 [ -f tests/test_soak.py ] && other_tests+=(tests/test_soak.py)
 for minor in 3.12 3.13; do
     py=""
