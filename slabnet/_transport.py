@@ -90,6 +90,9 @@ _PAUSED_READ: Final = 1024
 
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
 
+#: Loops that read once per readiness event (see SlabProtocol: lazy pause).
+_SELECTOR_LOOP: Final = asyncio.selector_events.BaseSelectorEventLoop
+
 #: asyncio's LOG_THRESHOLD_FOR_CONNLOST_WRITES: writes on a closed connection
 #: are dropped silently, then each one from the fifth on logs a warning.
 _DROPPED_WRITES_LOG: Final = 5
@@ -741,11 +744,16 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._transport: SlabTransport | None = None
         self._upper_made = False  # the upper protocol's connection_made was called
         self._lost = False
-        # Reading. pause_reading() only sets _paused; the socket itself is
-        # paused by the next read made while paused, which takes in at most
-        # _PAUSED_READ bytes and holds them (_held) for after resume. So an
-        # upper protocol that is drained before the loop reads again -- a
-        # stream whose consumer keeps up -- costs no system call at all.
+        # Reading. On a selector loop, pause_reading() only sets _paused; the
+        # socket itself is paused by the next read made while paused, which
+        # takes in at most _PAUSED_READ bytes and holds them (_held) for
+        # after resume. The selector loop reads once per readiness and runs
+        # the callbacks the read scheduled before it polls again, so an upper
+        # protocol that is drained meanwhile -- a stream whose consumer keeps
+        # up -- costs no system call and no Handle at all. libuv (uvloop)
+        # reads again at once, in the same callback, so there the next read
+        # would always come while paused: the socket pauses at once instead.
+        self._lazy_pause = isinstance(self.loop, _SELECTOR_LOOP)
         self._paused = False
         self._socket_paused = False
         self._eof = False  # the loop's transport read EOF: never resume it
@@ -860,6 +868,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
 
     def pause_reading(self) -> None:
         self._paused = True
+        if not self._lazy_pause and not self._socket_paused and self._raw is not None:
+            self._socket_paused = True
+            self._raw.pause_reading()
 
     def resume_reading(self) -> None:
         if not self._paused:
@@ -883,10 +894,11 @@ class SlabProtocol(asyncio.BufferedProtocol):
         data = bytes(memoryview(buf)[:nbytes])
         held = self._held
         self._held = memoryview(data if held is None else held.tobytes() + data)
-        if not self._socket_paused:
-            self._socket_paused = True
-            assert self._raw is not None
-            self._raw.pause_reading()
+        # Even if it was paused already: uvloop ignores a pause made before
+        # it starts reading (from connection_made), and reads on.
+        self._socket_paused = True
+        assert self._raw is not None
+        self._raw.pause_reading()
 
     def _release_held(self) -> None:
         self._release_scheduled = False

@@ -436,3 +436,70 @@ async def test_64_busy_connections_reuse_slabs_and_an_idle_loop_trims_them(
             await asyncio.sleep(0.02)
     if peak[0] > _slab._IDLE_KEEP:
         assert slabnet.memory_stats().slabs_released > before.slabs_released
+
+
+class PausedFromTheStart(slabnet.ChunkProtocol):
+    """Pauses reading in connection_made, before any byte arrived."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.data = bytearray()
+        self.eof = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        transport.pause_reading()
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        self.data += chunk
+
+    def eof_received(self) -> bool:
+        if not self.eof.done():
+            self.eof.set_result(None)
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.eof.done():
+            self.eof.set_result(None)
+
+
+@pytest.mark.asyncio
+async def test_pause_from_connection_made_holds_the_socket() -> None:
+    # uvloop starts reading only after connection_made and ignores a pause
+    # made there; slabnet must still stop at one small held read, never
+    # buffer what the peer sends while the app is paused.
+    total = 4 * 1024 * KiB
+    payload = bytes(range(256)) * (total // 256)
+    loop = asyncio.get_running_loop()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    app = PausedFromTheStart()
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024 * KiB)
+    sock.setblocking(False)
+    peer = None
+    try:
+        async with asyncio.timeout(10):
+            connecting = loop.create_task(loop.sock_connect(sock, listener.getsockname()))
+            peer, _ = await loop.sock_accept(listener)
+            await connecting
+            raw, proto = await loop.create_connection(lambda: slabnet.SlabProtocol(app), sock=sock)
+            sending = loop.create_task(loop.sock_sendall(peer, payload))
+            while unread(sock) < 256 * KiB:  # the peer's bytes wait in our socket
+                await asyncio.sleep(0.002)
+            await asyncio.sleep(0.05)  # (room for reads that must not happen)
+            assert not app.data
+            assert proto._held is None or len(proto._held) <= _PAUSED_READ
+            app.transport.resume_reading()
+            await sending
+            peer.shutdown(socket.SHUT_WR)
+            await app.eof
+        assert bytes(app.data) == payload
+    finally:
+        if peer is not None:
+            peer.close()
+        listener.close()
+        if app.transport is not None:
+            app.transport.close()
