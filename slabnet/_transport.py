@@ -65,7 +65,7 @@ from typing import Any, Final, cast
 from ._errors import LocalAbortError
 from ._pool import BufferPool
 from ._slab import ReadSizer, ReadSlab, _Sealed, _Slab
-from ._write import OutQueue, WriteRequest
+from ._write import IOV_MAX, OutQueue, WriteRequest
 
 __all__ = [
     "ChunkProtocol",
@@ -404,10 +404,36 @@ class SlabTransport(WriteGate, asyncio.Transport):
         if not self._check_writable():
             return None
         total = 0
+        for v in views:
+            total += v.nbytes
         out = self._out
+        if not out and len(views) <= IOV_MAX:
+            # Nothing before them: straight to the kernel, as write() does;
+            # only what it does not take is queued (and kept or copied).
+            sock = self._sock
+            assert sock is not None
+            try:
+                sent = sock.sendmsg(views) if len(views) > 1 else sock.send(views[0])
+            except _SEND_RETRY:
+                sent = 0
+            except OSError as exc:
+                self._abort(exc)
+                return None
+            out.passed(sent)
+            if sent == total:
+                return None
+            for v in views:
+                if sent >= v.nbytes:
+                    sent -= v.nbytes
+                    continue
+                out.append(_keep(v[sent:]))
+                sent = 0
+            req = out.request(out.queued)
+            self._wait_writable()
+            self._check_pause()
+            return req
         for v in views:
             out.append(_keep(v))
-            total += v.nbytes
         if not self._waiting_writable:
             self._flush()
             if not out:
