@@ -297,6 +297,15 @@ class StreamReader:
         self._size -= n
         return b"".join(parts)
 
+    def _take_rest(self) -> bytes:
+        """Remove and return every buffered byte (STARTTLS: they are the
+        start of the peer's TLS handshake)."""
+        if not self._size:
+            return b""
+        data = self._take(self._size)
+        self._maybe_resume()
+        return data
+
     def _take_chunk(self) -> memoryview:
         if not self._chunks:
             self._seal_tail()
@@ -789,8 +798,10 @@ class StreamWriter:
         transport = self._transport
         if isinstance(transport, TLSTransport):
             raise RuntimeError("the connection already uses TLS")
+        reader = self._reader
         tls, handshake = transport.upgrade_tls(
             sslcontext,
+            already_read=b"" if reader is None else reader._take_rest(),
             server_side=server_side,
             server_hostname=server_hostname,
             ssl_handshake_timeout=ssl_handshake_timeout,

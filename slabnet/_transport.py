@@ -469,25 +469,10 @@ class SlabTransport(WriteGate, asyncio.Transport):
 
     # ------------------------------------------------ STARTTLS
 
-    async def start_tls(
-        self,
-        sslcontext: ssl.SSLContext,
-        *,
-        server_side: bool = False,
-        server_hostname: str | None = None,
-        ssl_handshake_timeout: float | None = None,
-        ssl_shutdown_timeout: float | None = None,
-        ssl_ragged_eof: bool = True,
-        ssl_session: Any = None,
-    ) -> asyncio.Transport:
+    async def start_tls(self, sslcontext: ssl.SSLContext, **kwargs: Any) -> asyncio.Transport:
         """Upgrade this connection to TLS (STARTTLS); return the TLS transport
-        once the handshake is done (see ``upgrade_tls``)."""
-        tls, handshake = self.upgrade_tls(
-            sslcontext, server_side=server_side, server_hostname=server_hostname,
-            ssl_handshake_timeout=ssl_handshake_timeout,
-            ssl_shutdown_timeout=ssl_shutdown_timeout, ssl_ragged_eof=ssl_ragged_eof,
-            ssl_session=ssl_session,
-        )
+        once the handshake is done. Keywords as for ``upgrade_tls``."""
+        tls, handshake = self.upgrade_tls(sslcontext, **kwargs)
         await handshake
         return tls
 
@@ -501,6 +486,7 @@ class SlabTransport(WriteGate, asyncio.Transport):
         ssl_shutdown_timeout: float | None = None,
         ssl_ragged_eof: bool = True,
         ssl_session: Any = None,
+        already_read: bytes = b"",
     ) -> tuple[asyncio.Transport, asyncio.Future[None]]:
         """Start the TLS handshake on this connection (STARTTLS).
 
@@ -511,7 +497,10 @@ class SlabTransport(WriteGate, asyncio.Transport):
         encrypted once the handshake is done, whereas bytes written here
         would go out in plaintext, in the middle of it. Bytes written before
         the call go out in plaintext first; every byte read after it is
-        ciphertext.
+        ciphertext. ``already_read``: bytes the app had received but not
+        consumed when it asked for TLS (a peer that sent its handshake right
+        behind the STARTTLS command, without waiting for the answer): they
+        are ciphertext too, and go to the TLS layer first.
         """
         from ._tls_transport import TLSTransport
 
@@ -528,6 +517,8 @@ class SlabTransport(WriteGate, asyncio.Transport):
         )
         self._proto.set_upper(tls)
         tls.connection_made(self)
+        if already_read and not tls.is_closing():
+            tls.chunk_received(memoryview(already_read))
         return tls, waiter
 
     # ------------------------------------------------ closing

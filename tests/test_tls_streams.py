@@ -910,3 +910,36 @@ async def test_starttls_resumes_a_session(server_cert: Any, tls_ca: Any) -> None
         server.close()
         await server.wait_closed()
     assert reused == [False, True]
+
+
+@pytest.mark.asyncio
+async def test_starttls_handshake_sent_right_behind_the_command(
+    server_cert: Any, tls_ca: Any
+) -> None:
+    # The client does not wait for the server's answer: its ClientHello goes
+    # out in the same segment as the STARTTLS command, so the server's
+    # reader already holds it when the server calls start_tls(). Those bytes
+    # are ciphertext and must reach the TLS layer (they sat in the reader,
+    # and the handshake timed out).
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        assert await reader.readline() == b"STARTTLS\r\n"
+        await writer.start_tls(server_ctx(server_cert), ssl_handshake_timeout=5)
+        writer.write((await reader.readline()).upper())
+        await writer.drain()
+        writer.close()
+
+    server = await slabnet.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    try:
+        async with asyncio.timeout(10):
+            writer.write(b"STARTTLS\r\n")  # gathered: one sendmsg with the hello
+            await writer.start_tls(
+                client_ctx(tls_ca), server_hostname="localhost", ssl_handshake_timeout=5
+            )
+            writer.write(b"pipelined\n")
+            assert await reader.readline() == b"PIPELINED\n"
+    finally:
+        writer.transport.abort()
+        server.close()
+        await server.wait_closed()
