@@ -369,32 +369,8 @@ class SlabTransport(WriteGate, asyncio.Transport):
         if not out:
             # Nothing before it: try the kernel directly. A write it takes
             # whole completes synchronously and makes no object at all.
-            sock = self._sock
-            assert sock is not None
-            try:
-                sent = sock.send(view)
-            except _SEND_RETRY:
-                sent = 0
-            except OSError as exc:
-                self._abort(exc)
-                return None
-            out.passed(sent)
-            if sent == n:
-                return None
-            out.append(_keep(view[sent:]))
-            req = out.request(n - sent)
-            self._wait_writable()
-            self._check_pause()
-            return req
-        # Pooled small writes (or a blocked queue) are ahead of it.
-        out.append(_keep(view))  # the caller may reuse its buffer meanwhile
-        if not self._waiting_writable:
-            self._flush()  # one sendmsg for the pooled writes and this one
-            if not out:
-                return None
-        req = out.request(n)
-        self._check_pause()
-        return req
+            return self._send_now([view], n)
+        return self._queue_behind([view], n)
 
     def writelines(self, list_of_data: Iterable[Any]) -> WriteRequest | None:  # type: ignore[override]
         """Write several buffers; they go out with one ``sendmsg``."""
@@ -406,32 +382,43 @@ class SlabTransport(WriteGate, asyncio.Transport):
         total = 0
         for v in views:
             total += v.nbytes
+        if not self._out and len(views) <= IOV_MAX:
+            return self._send_now(views, total)
+        return self._queue_behind(views, total)
+
+    def _send_now(self, views: list[memoryview], total: int) -> WriteRequest | None:
+        """Nothing is queued: hand ``views`` (``total`` bytes) to the kernel
+        at once; queue only what it does not take (kept or copied)."""
+        sock = self._sock
+        assert sock is not None
+        try:
+            sent = sock.sendmsg(views) if len(views) > 1 else sock.send(views[0])
+        except _SEND_RETRY:
+            sent = 0
+        except OSError as exc:
+            self._abort(exc)
+            return None
         out = self._out
-        if not out and len(views) <= IOV_MAX:
-            # Nothing before them: straight to the kernel, as write() does;
-            # only what it does not take is queued (and kept or copied).
-            sock = self._sock
-            assert sock is not None
-            try:
-                sent = sock.sendmsg(views) if len(views) > 1 else sock.send(views[0])
-            except _SEND_RETRY:
-                sent = 0
-            except OSError as exc:
-                self._abort(exc)
-                return None
-            out.passed(sent)
-            if sent == total:
-                return None
-            for v in views:
-                if sent >= v.nbytes:
-                    sent -= v.nbytes
-                    continue
-                out.append(_keep(v[sent:]))
-                sent = 0
-            req = out.request(out.queued)
-            self._wait_writable()
-            self._check_pause()
-            return req
+        out.passed(sent)
+        if sent == total:
+            return None
+        left = total - sent
+        for v in views:
+            if sent >= v.nbytes:
+                sent -= v.nbytes
+                continue
+            out.append(_keep(v[sent:]))
+            sent = 0
+        req = out.request(left)
+        self._wait_writable()
+        self._check_pause()
+        return req
+
+    def _queue_behind(self, views: list[memoryview], total: int) -> WriteRequest | None:
+        """Pooled small writes (or a blocked queue) are ahead of ``views``:
+        queue them (the caller may reuse its buffers meanwhile) and send
+        everything with one ``sendmsg`` unless the kernel is full."""
+        out = self._out
         for v in views:
             out.append(_keep(v))
         if not self._waiting_writable:
