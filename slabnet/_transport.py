@@ -28,14 +28,24 @@ TLS layer, which puts ciphertext into its engine's BIO -- says so with
 and are never committed, so they never pin or advance a slab.
 
 Writes. The loop's transports copy or join data they cannot send at once and
-cannot tell which write has reached the kernel. slabnet sends itself, on its
-own duplicate of the socket's file descriptor (the loops refuse
-``add_writer`` on a descriptor their transport owns, and a duplicate is the
-public way to wait for writability without touching their internals). The
-loop's transport never writes; it still reads, and performs the final
-close, after slabnet's queue is empty. If the loop closes its transport
-first (``Server.close_clients()``), the duplicate still holds the
-connection: the queue goes out on it, then it is closed (``_outlive_raw``).
+cannot tell which write has reached the kernel. slabnet sends itself, with
+``os.write``/``os.writev`` on the socket's descriptor, while the loop's
+transport is open (the loop closes that descriptor only after its transport
+says ``is_closing()``, and nothing runs between that check and the send).
+Only bytes the kernel refuses need more: the loops refuse ``add_writer`` on
+a descriptor their transport owns, so a connection whose queue waits for
+writability takes a duplicate of the descriptor (``os.dup``) to wait on, and
+closes it once the queue is empty. An idle or keeping-up connection holds
+one descriptor, as asyncio's. With no descriptor to spare (``EMFILE``) a
+blocked queue polls for writability on a timer instead (1 ms, doubling to
+50 ms): slower, but nothing is lost and nothing fails. The loop's transport
+never writes; it still reads, shuts the write side down (``write_eof``) and
+performs the final close, after slabnet's queue is empty. If the loop
+closes its transport first (``Server.close_clients()``), the duplicate
+holds the connection: the queue goes out on it, then it is closed
+(``_outlive_raw``). Once the loop's transport is closing, its descriptor is
+used only while it is still this socket (``fstat`` inode): uvloop closes it
+at once, and its number may already be another connection's.
 
 * A write with nothing queued before it goes straight to ``send``; if the
   kernel takes it all, no object is made and ``write`` returns ``None``.
@@ -56,7 +66,6 @@ import asyncio
 import enum
 import logging
 import os
-import socket
 import ssl
 import weakref
 from collections.abc import Iterable
@@ -89,6 +98,13 @@ CORK_LIMIT: Final = 64 * 1024
 _PAUSED_READ: Final = 1024
 
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
+
+#: A blocked queue with no descriptor to spare for ``add_writer`` (EMFILE)
+#: tries again after this long, doubling up to ``_POLL_MAX`` while it stays
+#: blocked: a few wake-ups a second at worst, and about one kernel buffer
+#: sent per poll.
+_POLL_MIN: Final = 0.001
+_POLL_MAX: Final = 0.05
 
 #: Loops that read once per readiness event (see SlabProtocol: lazy pause).
 _SELECTOR_LOOP: Final = asyncio.selector_events.BaseSelectorEventLoop
@@ -276,12 +292,15 @@ class SlabTransport(WriteGate, asyncio.Transport):
         self._state = _State.OPEN
         self._closing = False  # derived from _state by _set_state: a hot check
         self._out = OutQueue()
-        # Our own duplicate of the descriptor, for send and for waiting.
-        raw_sock = raw.get_extra_info("socket")
-        self._sock: socket.socket | None = socket.socket(fileno=_dup(raw_sock))
-        self._sock.setblocking(False)
-        self._wfd = self._sock.fileno()
+        # The loop's descriptor, sent on while its transport is open, and
+        # what it is (its inode), to tell once that transport is closing.
+        self._fd: int = raw.get_extra_info("socket").fileno()
+        self._ino = os.fstat(self._fd).st_ino
+        self._dupfd = -1  # ours, only while the queue waits (or outlives raw)
+        self._send_open = True  # False once the send side is closed for good
         self._waiting_writable = False
+        self._poll: asyncio.TimerHandle | None = None  # EMFILE: polling instead
+        self._poll_delay = _POLL_MIN
         self._flush_scheduled = False
         self._corked = 0  # pooled bytes waiting for the end-of-iteration flush
         self._eof_sent = False
@@ -301,7 +320,7 @@ class SlabTransport(WriteGate, asyncio.Transport):
         return self._closing
 
     def _writes_closed(self) -> bool:
-        return self._closing or self._sock is None
+        return self._closing or not self._send_open
 
     # ------------------------------------------------ info
 
@@ -339,7 +358,7 @@ class SlabTransport(WriteGate, asyncio.Transport):
         n = len(view)
         if not n:
             return None
-        if self._closing or self._eof_requested or self._sock is None:
+        if self._closing or self._eof_requested or not self._send_open:
             if not self._check_writable():
                 return None
         out = self._out
@@ -389,10 +408,11 @@ class SlabTransport(WriteGate, asyncio.Transport):
     def _send_now(self, views: list[memoryview], total: int) -> WriteRequest | None:
         """Nothing is queued: hand ``views`` (``total`` bytes) to the kernel
         at once; queue only what it does not take (kept or copied)."""
-        sock = self._sock
-        assert sock is not None
+        fd = self._send_fd()
+        if fd < 0:
+            return None
         try:
-            sent = sock.sendmsg(views) if len(views) > 1 else sock.send(views[0])
+            sent = os.writev(fd, views) if len(views) > 1 else os.write(fd, views[0])
         except _SEND_RETRY:
             sent = 0
         except OSError as exc:
@@ -434,7 +454,7 @@ class SlabTransport(WriteGate, asyncio.Transport):
         (for a layer above that made ``req`` for bytes of its own), or fail
         it with the error that dropped them."""
         out = self._out
-        if self._sock is None and out.sent_total < out.end:
+        if not self._send_open and out.sent_total < out.end:
             req._finish(self._error or ConnectionResetError("connection lost with data unsent"))
             return
         out.track(req)
@@ -556,14 +576,9 @@ class SlabTransport(WriteGate, asyncio.Transport):
         self._raw.close()
 
     def _close_sock(self) -> None:
-        sock = self._sock
-        if sock is None:
-            return
-        if self._waiting_writable:
-            self._waiting_writable = False
-            self._loop.remove_writer(self._wfd)
-        self._sock = None
-        sock.close()
+        if self._send_open:
+            self._send_open = False
+            self._stop_waiting()
 
     # ------------------------------------------------ writing: internals
 
@@ -577,16 +592,15 @@ class SlabTransport(WriteGate, asyncio.Transport):
         """Send what is queued; wait for writability if the kernel is full."""
         self._corked = 0
         out = self._out
-        sock = self._sock
-        if sock is None:
+        if not self._send_open:
+            return
+        fd = self._send_fd() if out else self._fd
+        if fd < 0:
             return
         while out:
             bufs = out.buffers()
             try:
-                if len(bufs) == 1:
-                    sent = sock.send(bufs[0])
-                else:
-                    sent = sock.sendmsg(bufs)
+                sent = os.write(fd, bufs[0]) if len(bufs) == 1 else os.writev(fd, bufs)
             except _SEND_RETRY:
                 break
             except OSError as exc:
@@ -596,9 +610,8 @@ class SlabTransport(WriteGate, asyncio.Transport):
                 break
         if out:
             self._wait_writable()
-        elif self._waiting_writable:
-            self._waiting_writable = False
-            self._loop.remove_writer(self._wfd)
+        else:
+            self._stop_waiting()
         self._check_pause()
         if not out:
             if self._eof_requested and not self._eof_sent:
@@ -606,19 +619,79 @@ class SlabTransport(WriteGate, asyncio.Transport):
             if self._state is _State.CLOSING:
                 self._maybe_close_raw()
 
+    def _send_fd(self) -> int:
+        """The descriptor to send on now: our duplicate while we hold one,
+        else the loop's. Once the loop's transport is closing, its
+        descriptor may be closed already (uvloop) and its number another
+        socket's: it is used only while its inode is still this socket's,
+        else the connection is lost (-1)."""
+        if self._dupfd >= 0:
+            return self._dupfd
+        if self._raw.is_closing() and not self._fd_is_ours():
+            self._abort(ConnectionResetError("the loop closed the connection's descriptor"))
+            return -1
+        return self._fd
+
+    def _fd_is_ours(self) -> bool:
+        try:
+            return os.fstat(self._fd).st_ino == self._ino
+        except OSError:
+            return False
+
     def _wait_writable(self) -> None:
-        if not self._waiting_writable:
-            self._waiting_writable = True
-            self._loop.add_writer(self._wfd, self._flush)
+        """The kernel is full: call ``_flush`` again once it can take more."""
+        if self._waiting_writable:
+            return
+        self._waiting_writable = True
+        if self._dupfd < 0 and (not self._raw.is_closing() or self._fd_is_ours()):
+            try:
+                self._dupfd = os.dup(self._fd)
+            except OSError:  # EMFILE, ENFILE: no descriptor to wait on
+                pass
+        if self._dupfd >= 0:
+            self._loop.add_writer(self._dupfd, self._flush)
+            return
+        self._poll = self._loop.call_later(self._poll_delay, self._poll_writable)
+
+    def _poll_writable(self) -> None:
+        self._poll = None
+        self._waiting_writable = False
+        before = self._out.sent_total
+        self._flush()
+        # Poll briskly while the peer takes bytes; back off while it takes none.
+        if self._out.sent_total > before:
+            self._poll_delay = _POLL_MIN
+        else:
+            self._poll_delay = min(2 * self._poll_delay, _POLL_MAX)
+
+    def _stop_waiting(self) -> None:
+        """The queue is empty, or the send side closed: stop waiting and
+        give back the duplicate, unless it still has a queue to carry after
+        the loop closed its transport."""
+        if self._waiting_writable:
+            self._waiting_writable = False
+            if self._poll is not None:
+                self._poll.cancel()
+                self._poll = None
+            else:
+                # (Before the close: epoll forgets a descriptor only while
+                # it is open, and this one shares its socket with the loop's.)
+                self._loop.remove_writer(self._dupfd)
+        self._poll_delay = _POLL_MIN
+        if self._dupfd >= 0 and (not self._out or not self._send_open):
+            os.close(self._dupfd)
+            self._dupfd = -1
 
     def _send_eof(self) -> None:
+        # The loop's transport never wrote, so it shuts down at once
+        # (uvloop: once libuv's empty write queue is done).
         self._eof_sent = True
-        sock = self._sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_WR)
-            except OSError as exc:
-                self._abort(exc)
+        if self._raw.is_closing():
+            return
+        try:
+            self._raw.write_eof()
+        except OSError as exc:
+            self._abort(exc)
 
     # ------------------------------------------------ the protocol's side
 
@@ -634,10 +707,12 @@ class SlabTransport(WriteGate, asyncio.Transport):
         lost for good. True if the loss is deferred until then. Only a
         graceful close gets here; an abort or a reset drops the queue.
         """
-        if self._sock is None:
+        if not self._send_open:
             return False
         self._flush()
-        if not self._out or self._sock is None:
+        if not self._out or not self._send_open or self._dupfd < 0:
+            # (No duplicate, EMFILE: the queue cannot outlive the loop's
+            # descriptor and is lost with it.)
             return False
         self._raw_gone = True
         if self._state is _State.OPEN:
@@ -656,17 +731,6 @@ class SlabTransport(WriteGate, asyncio.Transport):
 
     def __repr__(self) -> str:
         return f"<SlabTransport {self._state.value} raw={self._raw!r}>"
-
-
-def _dup(raw_sock: Any) -> int:
-    try:
-        return os.dup(raw_sock.fileno())
-    except OSError as exc:
-        # EMFILE with one descriptor left: asyncio would have managed.
-        raise OSError(
-            exc.errno, f"{exc.strerror} (slabnet sends on a duplicate of the"
-            " socket's descriptor: each connection needs two)"
-        ) from exc
 
 
 def _keep(view: memoryview) -> memoryview:
@@ -782,7 +846,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._raw = transport
         try:
             self._transport = tr = SlabTransport(self, transport, self._pool)
-        except Exception as exc:  # (os.dup: EMFILE)
+        except Exception as exc:  # (no socket behind the transport)
             self._setup_failed(exc)
             return
         self._upper_made = True

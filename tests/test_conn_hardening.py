@@ -181,11 +181,24 @@ async def _connect_with_free(keep_free: int, opener: Any, port: int) -> Any:
         resource.setrlimit(resource.RLIMIT_NOFILE, old)
 
 
+def _take_every_descriptor() -> list[int]:
+    """Open /dev/null until EMFILE; the caller closes what is returned."""
+    taken: list[int] = []
+    try:
+        while True:
+            taken.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        assert exc.errno == errno.EMFILE
+    return taken
+
+
 @pytest.mark.asyncio
-async def test_last_descriptors_fail_cleanly_with_emfile(listener: socket.socket) -> None:
-    # With as few descriptors left as asyncio's own open_connection needs
-    # (one), slabnet needs one more (it sends on a duplicate). The duplicate failed inside connection_made and
-    # open_connection hung. It must raise EMFILE, saying why.
+async def test_one_descriptor_per_connection_even_at_the_limit(listener: socket.socket) -> None:
+    # slabnet used to send on a duplicate of every connection's descriptor:
+    # with as few descriptors left as asyncio's open_connection needs, it
+    # failed with EMFILE. It needs one now, as asyncio, and takes a second
+    # only while its queue waits for writability; with none to spare, that
+    # queue polls instead, and every byte still goes out.
     port = listener.getsockname()[1]
     baseline = open_fds()
     # A first connection, so that what a loop sets up once (uvloop) is done.
@@ -203,14 +216,68 @@ async def test_last_descriptors_fail_cleanly_with_emfile(listener: socket.socket
         await writer.wait_closed()
         break
     (await accept(listener)).close()
-    with pytest.raises(OSError) as info:
-        await _connect_with_free(keep_free, slabnet.open_connection, port)
-    assert info.value.errno == errno.EMFILE, repr(info.value)
-    assert "needs two" in str(info.value)
-    conn = await accept(listener)
-    got, _ = await recv_until_closed(conn)
-    conn.close()
-    assert got == 0
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the peer's
+    fillers, old = _fill_descriptors(keep_free)
+    taken: list[int] = []
+    try:
+        reader, writer = await asyncio.wait_for(slabnet.open_connection("127.0.0.1", port), WAKE)
+        writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+        os.close(fillers.pop())  # room for the peer's end
+        peer = await accept(listener)
+        taken = _take_every_descriptor()
+        payload = os.urandom(256 * 1024)
+        req = writer.write(payload)
+        assert req is not None  # the kernel took a part; the rest waits
+        tr = writer.transport
+        assert tr._dupfd == -1 and tr._poll is not None  # polling: no descriptor
+        loop = asyncio.get_running_loop()
+        got = bytearray()
+        async with asyncio.timeout(WAKE):
+            while len(got) < len(payload):
+                data = await loop.sock_recv(peer, 65536)
+                assert data, "EOF before every byte"
+                got += data
+        assert bytes(got) == payload
+        await asyncio.wait_for(req, WAKE)
+        assert tr._dupfd == -1 and tr._poll is None  # the queue is empty: idle
+        writer.close()
+        await writer.wait_closed()
+        peer.close()
+    finally:
+        for fd in fillers + taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, old)
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.asyncio
+async def test_a_connection_holds_one_descriptor_and_a_second_only_while_blocked(
+    listener: socket.socket,
+) -> None:
+    port = listener.getsockname()[1]
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    baseline = open_fds()
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    peer = await accept(listener)
+    assert open_fds() == baseline + 2  # ours and the peer's: one each
+    payload = os.urandom(256 * 1024)
+    req = writer.write(payload)
+    assert req is not None
+    assert open_fds() == baseline + 3  # a duplicate to wait for writability on
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    async with asyncio.timeout(WAKE):
+        while len(got) < len(payload):
+            data = await loop.sock_recv(peer, 65536)
+            assert data, "EOF before every byte"
+            got += data
+    await asyncio.wait_for(req, WAKE)
+    assert bytes(got) == payload
+    assert open_fds() == baseline + 2  # given back once the queue is empty
+    writer.close()
+    await writer.wait_closed()
+    peer.close()
     assert await fds_settle(baseline) <= baseline
 
 

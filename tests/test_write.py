@@ -21,26 +21,31 @@ import slabnet._write as write_mod
 from conftest import hard_close, wait_acked
 
 
-class CountingSocket:
-    """Wraps the transport's socket to count system calls."""
+class CountingOS:
+    """Stands for ``os`` in ``slabnet._transport`` to count its sends."""
 
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
+    def __init__(self) -> None:
         self.send_calls = 0
         self.sendmsg_calls = 0
         self.sendmsg_buffers: list[int] = []
 
-    def send(self, data: Any) -> int:
+    def write(self, fd: int, data: Any) -> int:
         self.send_calls += 1
-        return self._sock.send(data)
+        return os.write(fd, data)
 
-    def sendmsg(self, buffers: Any) -> int:
+    def writev(self, fd: int, buffers: Any) -> int:
         self.sendmsg_calls += 1
         self.sendmsg_buffers.append(len(buffers))
-        return self._sock.sendmsg(buffers)
+        return os.writev(fd, buffers)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._sock, name)
+        return getattr(os, name)
+
+
+def count_sends(monkeypatch: pytest.MonkeyPatch) -> CountingOS:
+    counting = CountingOS()
+    monkeypatch.setattr(transport_mod, "os", counting)
+    return counting
 
 
 async def sink_server() -> tuple[asyncio.Server, int, asyncio.Future[bytes]]:
@@ -137,11 +142,12 @@ async def test_synchronous_writes_create_no_request(monkeypatch: pytest.MonkeyPa
 
 
 @pytest.mark.asyncio
-async def test_small_writes_of_one_iteration_share_one_sendmsg() -> None:
+async def test_small_writes_of_one_iteration_share_one_sendmsg(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     server, port, done = await sink_server()
     reader, writer = await slabnet.open_connection(sock=await roomy_connect(port))
-    counting = CountingSocket(writer.transport._sock)
-    writer.transport._sock = counting  # type: ignore[assignment]
+    counting = count_sends(monkeypatch)
     pieces = [bytes([i]) * 1024 for i in range(48)]
     for piece in pieces:
         assert writer.write(piece) is None
@@ -155,7 +161,7 @@ async def test_small_writes_of_one_iteration_share_one_sendmsg() -> None:
     for piece in pieces + pieces:
         writer.write(piece)
     assert counting.sendmsg_calls + counting.send_calls == 2
-    writer.transport._sock = counting._sock
+    monkeypatch.undo()
     writer.write_eof()
     assert await asyncio.wait_for(done, 10) == b"".join(pieces + pieces + pieces)
     writer.close()
@@ -163,15 +169,16 @@ async def test_small_writes_of_one_iteration_share_one_sendmsg() -> None:
 
 
 @pytest.mark.asyncio
-async def test_writelines_is_one_sendmsg_and_keeps_order() -> None:
+async def test_writelines_is_one_sendmsg_and_keeps_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     server, port, done = await sink_server()
     reader, writer = await slabnet.open_connection("127.0.0.1", port)
-    counting = CountingSocket(writer.transport._sock)
-    writer.transport._sock = counting  # type: ignore[assignment]
+    counting = count_sends(monkeypatch)
     big = [os.urandom(50_000) for _ in range(4)]
     assert writer.writelines(big) is None
     assert counting.sendmsg_calls == 1 and counting.sendmsg_buffers == [4]
-    writer.transport._sock = counting._sock
+    monkeypatch.undo()
     writer.write(b"small")
     writer.write_eof()
     assert await asyncio.wait_for(done, 10) == b"".join(big) + b"small"
