@@ -99,7 +99,7 @@ _STAGES: Final = {
 }
 
 
-class TLSTransport(WriteGate, asyncio.Transport):
+class TLSTransport(WriteGate):
     """The transport of a TLS connection, and the protocol of the plain
     connection under it. Made by ``SlabProtocol(app, ssl=...)`` and by
     ``SlabTransport.start_tls``."""

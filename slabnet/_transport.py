@@ -203,12 +203,14 @@ _TRANSITIONS: Final = {
 }
 
 
-class WriteGate:
+class WriteGate(asyncio.Transport):
     """What every slabnet transport does the same way around its writes:
     the write-buffer limits and the pause/resume calls they cause, and the
     rule for writes on a closed connection. A subclass provides
     ``get_write_buffer_size()``, ``_writes_closed()`` and ``get_protocol()``
     (who hears ``pause_writing``/``resume_writing``)."""
+
+    __slots__ = ("_high", "_low", "_writing_paused", "_eof_requested", "_dropped_writes")
 
     _loop: asyncio.AbstractEventLoop
 
@@ -280,8 +282,15 @@ class WriteGate:
             })
 
 
-class SlabTransport(WriteGate, asyncio.Transport):
+class SlabTransport(WriteGate):
     """The transport of a plain connection. Made by ``SlabProtocol``."""
+
+    # (Slots: an idle server holds one of these per connection.)
+    __slots__ = (
+        "_proto", "_raw", "_loop", "_pool", "_state", "_closing", "_out", "_fd",
+        "_ino", "_dupfd", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
+        "_flush_scheduled", "_corked", "_eof_sent", "_error", "_raw_gone",
+    )
 
     def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, pool: BufferPool) -> None:
         super().__init__()
@@ -767,6 +776,13 @@ class SlabProtocol(asyncio.BufferedProtocol):
     ``handshake_waiter`` gets the result once ``app`` has its transport (or
     the exception that prevented it).
     """
+
+    __slots__ = (
+        "loop", "upper", "_slab", "_pool", "_sizer", "_waiter", "_ready_when_made",
+        "_deliver", "_borrows", "_raw", "_transport", "_upper_made", "_lost",
+        "_lazy_pause", "_paused", "_socket_paused", "_eof", "_pause_buf", "_held",
+        "_release_scheduled",
+    )
 
     def __init__(
         self,
