@@ -873,17 +873,25 @@ async def _connect(
     reader = StreamReader(limit=limit, loop=loop)
     protocol = _StreamProtocol(reader, loop=loop)
     waiter: asyncio.Future[None] = loop.create_future()
+    made: list[SlabProtocol] = []  # (the loops call the factory once)
 
     def factory() -> SlabProtocol:
-        return SlabProtocol(
+        slab = SlabProtocol(
             protocol, loop=loop, ssl=ctx, server_side=False, server_hostname=hostname,
             ssl_handshake_timeout=ssl_handshake_timeout,
             ssl_shutdown_timeout=ssl_shutdown_timeout,
             ssl_ragged_eof=ssl_ragged_eof, ssl_session=ssl_session,
             handshake_waiter=waiter,
         )
+        made.append(slab)
+        return slab
 
-    raw, _ = await create(factory, *address, **kwds)
+    try:
+        raw, _ = await create(factory, *address, **kwds)
+    except BaseException:
+        for slab in made:  # cancelled, maybe after connection_made (uvloop)
+            slab.abandon()
+        raise
     try:
         await waiter
     except BaseException:

@@ -1001,6 +1001,22 @@ class SlabProtocol(asyncio.BufferedProtocol):
 
     # ------------------------------------------------ failure
 
+    def abandon(self) -> None:
+        """The opener gave up: ``loop.create_connection()`` raised (it was
+        cancelled) after it may have called ``connection_made``. End the
+        connection now. uvloop closes the transport of a connect cancelled
+        in the iteration that made it without ever calling
+        ``connection_lost``, which would leave our duplicate descriptor
+        open; asyncio calls it later, and then it is a no-op. Nothing to do
+        for a connection never made or already lost."""
+        if self._raw is None or self._lost:
+            return
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.cancel()  # its awaiter is gone
+        self._raw.abort()
+        self.connection_lost(LocalAbortError("the connect was abandoned"))
+
     def _setup_failed(self, exc: BaseException) -> None:
         """The plain connection could not be set up: tell whoever waits for
         it, or the loop's exception handler (a server's incoming
