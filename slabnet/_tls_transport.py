@@ -422,7 +422,17 @@ class TLSTransport(WriteGate):
         self._loop.call_soon(self._pump)
 
     def abort(self) -> None:
-        """Close at once, dropping queued data (see ``SlabTransport.abort``)."""
+        """Close at once, dropping queued data (see ``SlabTransport.abort``).
+
+        Plaintext gathered for the end-of-iteration flush is encrypted and
+        handed to the plain connection first: asyncio's ``write()`` encrypts
+        and sends at once, so that much had gone out there too.
+        """
+        if self._plain and self._stage is _Stage.READY:
+            try:
+                self._encrypt()
+            except Exception:  # (the engine refuses: the abort ends it anyway)
+                pass
         self._abort(LocalAbortError("connection aborted locally (transport.abort())"))
 
     def _abort(self, exc: BaseException) -> None:

@@ -555,7 +555,15 @@ class SlabTransport(WriteGate):
         Bytes that had already arrived are still read first. A layer above
         may pass the error that ends the connection instead (``exc``): the
         protocol's ``connection_lost`` then gets it.
+
+        What is dropped is what waits for the kernel to take it, as with
+        asyncio. Small writes gathered for the end-of-iteration flush have
+        not been tried yet (asyncio's ``write()`` would have handed them to
+        the kernel at once): they go out first, as far as the kernel takes
+        them now, so ``write(); await drain(); abort()`` sends the write.
         """
+        if self._out and not self._waiting_writable and self._send_open:
+            self._send_queued()
         self._abort(exc or LocalAbortError("connection aborted locally (transport.abort())"))
 
     def _abort(self, exc: BaseException) -> None:
@@ -601,22 +609,8 @@ class SlabTransport(WriteGate):
         """Send what is queued; wait for writability if the kernel is full."""
         self._corked = 0
         out = self._out
-        if not self._send_open:
+        if not self._send_open or (out and not self._send_queued()):
             return
-        fd = self._send_fd() if out else self._fd
-        if fd < 0:
-            return
-        while out:
-            bufs = out.buffers()
-            try:
-                sent = os.write(fd, bufs[0]) if len(bufs) == 1 else os.writev(fd, bufs)
-            except _SEND_RETRY:
-                break
-            except OSError as exc:
-                self._abort(exc)
-                return
-            if out.sent(sent) or sent < sum(b.nbytes for b in bufs):
-                break
         if out:
             self._wait_writable()
         else:
@@ -627,6 +621,26 @@ class SlabTransport(WriteGate):
                 self._send_eof()
             if self._state is _State.CLOSING:
                 self._maybe_close_raw()
+
+    def _send_queued(self) -> bool:
+        """Hand the kernel what is queued, as much as it takes now; False
+        if the connection failed (aborted) meanwhile."""
+        out = self._out
+        fd = self._send_fd()
+        if fd < 0:
+            return False
+        while out:
+            bufs = out.buffers()
+            try:
+                sent = os.write(fd, bufs[0]) if len(bufs) == 1 else os.writev(fd, bufs)
+            except _SEND_RETRY:
+                break
+            except OSError as exc:
+                self._abort(exc)
+                return False
+            if out.sent(sent) or sent < sum(b.nbytes for b in bufs):
+                break
+        return True
 
     def _send_fd(self) -> int:
         """The descriptor to send on now: our duplicate while we hold one,
@@ -1006,8 +1020,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
         cancelled) after it may have called ``connection_made``. End the
         connection now. uvloop closes the transport of a connect cancelled
         in the iteration that made it without ever calling
-        ``connection_lost``, which would leave our duplicate descriptor
-        open; asyncio calls it later, and then it is a no-op. Nothing to do
+        ``connection_lost``, which would leave the connection's state (a
+        TLS handshake and its timer) behind; asyncio calls it later, and
+        then it is a no-op. Nothing to do
         for a connection never made or already lost."""
         if self._raw is None or self._lost:
             return
