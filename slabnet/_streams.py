@@ -588,6 +588,11 @@ def _literal(sep: bytes) -> re.Pattern[bytes]:
 class _StreamProtocol(ChunkProtocol):
     """Feeds a StreamReader; the asyncio StreamReaderProtocol's counterpart."""
 
+    __slots__ = (
+        "_loop", "_reader", "_client_connected_cb", "_transport", "_task", "_closed",
+        "_paused", "_drain_waiters", "_connection_lost", "_over_ssl",
+    )
+
     def __init__(
         self,
         reader: StreamReader,
