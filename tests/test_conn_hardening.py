@@ -44,6 +44,18 @@ async def recv_until_closed(sock: socket.socket, timeout: float = WAKE) -> tuple
             got += len(data)
 
 
+async def recv_exactly(sock: socket.socket, n: int, timeout: float = WAKE) -> bytes:
+    """Read ``n`` bytes; fail on EOF before them."""
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    async with asyncio.timeout(timeout):
+        while len(got) < n:
+            data = await loop.sock_recv(sock, 65536)
+            assert data, f"EOF after {len(got)} of {n} bytes"
+            got += data
+    return bytes(got)
+
+
 class Handler:
     """Collects what the loop's exception handler is given."""
 
@@ -230,14 +242,7 @@ async def test_one_descriptor_per_connection_even_at_the_limit(listener: socket.
         assert req is not None  # the kernel took a part; the rest waits
         tr = writer.transport
         assert tr._dupfd == -1 and tr._poll is not None  # polling: no descriptor
-        loop = asyncio.get_running_loop()
-        got = bytearray()
-        async with asyncio.timeout(WAKE):
-            while len(got) < len(payload):
-                data = await loop.sock_recv(peer, 65536)
-                assert data, "EOF before every byte"
-                got += data
-        assert bytes(got) == payload
+        assert await recv_exactly(peer, len(payload)) == payload
         await asyncio.wait_for(req, WAKE)
         assert tr._dupfd == -1 and tr._poll is None  # the queue is empty: idle
         writer.close()
@@ -265,15 +270,8 @@ async def test_a_connection_holds_one_descriptor_and_a_second_only_while_blocked
     req = writer.write(payload)
     assert req is not None
     assert open_fds() == baseline + 3  # a duplicate to wait for writability on
-    loop = asyncio.get_running_loop()
-    got = bytearray()
-    async with asyncio.timeout(WAKE):
-        while len(got) < len(payload):
-            data = await loop.sock_recv(peer, 65536)
-            assert data, "EOF before every byte"
-            got += data
+    assert await recv_exactly(peer, len(payload)) == payload
     await asyncio.wait_for(req, WAKE)
-    assert bytes(got) == payload
     assert open_fds() == baseline + 2  # given back once the queue is empty
     writer.close()
     await writer.wait_closed()
