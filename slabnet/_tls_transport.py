@@ -122,6 +122,7 @@ class TLSTransport(WriteGate):
         ssl_session: Any = None,
         waiter: asyncio.Future[None] | None = None,
         upgrade: bool = False,
+        app_paused: bool = False,
     ) -> None:
         super().__init__()
         self._loop = loop
@@ -158,6 +159,11 @@ class TLSTransport(WriteGate):
         # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
         self._held: list[WriteRequest] = []
         self._init_gate()
+        if app_paused:
+            # STARTTLS on a plain connection whose writing is paused: the app
+            # has had pause_writing and waits for its resume, which is ours
+            # to give now, once the plain connection resumes.
+            self._writing_paused = self._lower_paused = True
 
     # ------------------------------------------------ lifecycle gate
 

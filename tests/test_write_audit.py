@@ -137,3 +137,62 @@ async def test_tls_bulk_writes_with_drain_never_stall(
         writer.transport.abort()
         server.close()
         await server.wait_closed()
+
+
+class _Paced(slabnet.ChunkProtocol):
+    """Records pause_writing/resume_writing."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+        self.transport: Any = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def pause_writing(self) -> None:
+        self.events.append("pause")
+
+    def resume_writing(self) -> None:
+        self.events.append("resume")
+
+
+@pytest.mark.asyncio
+async def test_starttls_while_writing_is_paused_still_resumes_the_app(
+    small_listener: socket.socket, tls_client_context: ssl.SSLContext,
+) -> None:
+    # The app was paused by the plain connection, whose queue had drained
+    # to between low and high when the app upgraded to TLS: the plain
+    # connection's resume went to the TLS layer, which had never paused,
+    # and the app never heard it: paused for good.
+    high, low = 256 * 1024, 16 * 1024  # a band far wider than one send
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    shrink(sock)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, small_listener.getsockname())
+    peer, _ = await loop.sock_accept(small_listener)
+    peer.setblocking(False)
+    app = _Paced()
+    await loop.create_connection(lambda: slabnet.SlabProtocol(app), sock=sock)
+    plain = app.transport
+    tls = None
+    try:
+        plain.set_write_buffer_limits(high, low)
+        plain.write(b"x" * (4 * high))
+        assert app.events == ["pause"]
+        async with asyncio.timeout(WAKE):
+            while plain.get_write_buffer_size() > high:
+                await loop.sock_recv(peer, 4096)
+                await asyncio.sleep(0.001)
+        assert plain.get_write_buffer_size() > low  # still paused: in the band
+        tls, handshake = plain.upgrade_tls(tls_client_context, server_hostname="localhost")
+        handshake.add_done_callback(lambda f: f.cancelled() or f.exception())
+        async with asyncio.timeout(WAKE):
+            while plain.get_write_buffer_size():
+                await loop.sock_recv(peer, 65536)  # the rest, then the ClientHello
+            while app.events == ["pause"]:
+                await asyncio.sleep(0.005)
+        assert app.events == ["pause", "resume"]
+    finally:
+        (tls or plain).abort()
+        peer.close()
