@@ -529,7 +529,7 @@ class SlabTransport(WriteGate):
             self._proto.upper, self._loop, sslcontext, server_side=server_side,
             server_hostname=server_hostname, ssl_handshake_timeout=ssl_handshake_timeout,
             ssl_shutdown_timeout=ssl_shutdown_timeout, ssl_ragged_eof=ssl_ragged_eof,
-            ssl_session=ssl_session, waiter=waiter, upgrade=True,
+            ssl_session=ssl_session, waiter=waiter, upgrade=True, app_paused=self._writing_paused,
         )
         self._proto.set_upper(tls)
         tls.connection_made(self)
