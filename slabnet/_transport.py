@@ -733,10 +733,16 @@ class SlabTransport(WriteGate):
         if not self._send_open:
             return False
         self._flush()
-        if not self._out or not self._send_open or self._dupfd < 0:
-            # (No duplicate, EMFILE: the queue cannot outlive the loop's
-            # descriptor and is lost with it.)
+        if not self._out or not self._send_open:
             return False
+        if self._dupfd < 0:
+            # Polling: no descriptor was free for a duplicate. Try again now
+            # (the loop's is still open until this returns); if there is
+            # still none, the queue cannot outlive it and is lost with it.
+            self._stop_waiting()
+            self._wait_writable()
+            if self._dupfd < 0:
+                return False
         self._raw_gone = True
         if self._state is _State.OPEN:
             self._set_state(_State.CLOSING)  # later writes are dropped

@@ -245,6 +245,15 @@ async def test_one_descriptor_per_connection_even_at_the_limit(listener: socket.
         assert await recv_exactly(peer, len(payload)) == payload
         await asyncio.wait_for(req, WAKE)
         assert tr._dupfd == -1 and tr._poll is None  # the queue is empty: idle
+        # Blocked and polling again, and then the loop closes its transport
+        # (what Server.close_clients() does) once a descriptor is free: the
+        # queue takes the duplicate then, and still goes out whole.
+        req = writer.write(payload)
+        assert req is not None and tr._poll is not None
+        os.close((taken or fillers).pop())
+        tr._raw.close()
+        assert await recv_exactly(peer, len(payload)) == payload
+        await asyncio.wait_for(req, WAKE)
         writer.close()
         await writer.wait_closed()
         peer.close()
