@@ -538,12 +538,18 @@ class TLSTransport(WriteGate, asyncio.Transport):
             done = engine.do_handshake()
         except Exception as exc:
             self._send_output()
+            if isinstance(exc, TLSTruncatedError) and self._peer_eof:
+                # The peer's FIN cut the handshake: asyncio's (and uvloop's)
+                # ConnectionResetError, which code written for them catches.
+                reset = self._handshake_reset()
+                reset.__cause__ = exc
+                exc = reset
             self._fail(exc)
             return
         self._send_output()
         if not done:
             if self._peer_eof:
-                self._fail(ConnectionResetError("peer closed the connection during the TLS handshake"))
+                self._fail(self._handshake_reset())
             return
         if self._timer is not None:
             self._timer.cancel()
@@ -562,6 +568,10 @@ class TLSTransport(WriteGate, asyncio.Transport):
         if self._plain:
             self._flush()
         self._pump()
+
+    @staticmethod
+    def _handshake_reset() -> ConnectionResetError:
+        return ConnectionResetError("peer closed the connection during the TLS handshake")
 
     def _handshake_timed_out(self) -> None:
         self._timer = None

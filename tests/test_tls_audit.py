@@ -1,0 +1,67 @@
+"""TLS audit: how slabnet's TLS behaves against hostile or broken peers,
+compared with what asyncio's SSL transport does (on both loops).
+
+Real loopback sockets, real TLS (trustme), raw peers whose bytes the test
+picks (``conftest.RawTLS``, or plain sockets for bytes that are not TLS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from typing import Any
+
+import pytest
+
+import slabnet
+from conftest import RawTLS, client_ctx, server_ctx
+
+WAKE = 10.0  # seconds any waiter may take to wake after a fault (see test_faults)
+
+
+async def accept(listener: socket.socket) -> socket.socket:
+    conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+    conn.setblocking(False)
+    return conn
+
+
+# ------------------------------------------------- the peer's FIN during the handshake
+
+
+@pytest.mark.parametrize("stage", ["before_hello", "after_hello", "mid_flight"])
+@pytest.mark.asyncio
+async def test_fin_during_the_handshake_is_connection_reset(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, stage: str
+) -> None:
+    """asyncio (sslproto.py and uvloop alike) fails a handshake cut by the
+    peer's FIN with ConnectionResetError; code written for it catches that."""
+    loop = asyncio.get_running_loop()
+
+    async def peer() -> None:
+        conn = await accept(listener)
+        try:
+            if stage != "before_hello":
+                tls = RawTLS(conn, server_ctx(server_cert), server_side=True)
+                tls.incoming.write(await loop.sock_recv(conn, 65536))
+                if stage == "mid_flight":
+                    try:
+                        tls.obj.do_handshake()
+                    except ssl.SSLWantReadError:
+                        pass
+                    flight = tls.outgoing.read()
+                    await loop.sock_sendall(conn, flight[: len(flight) // 2])
+        finally:
+            conn.close()  # FIN, no RST: everything sent was received
+
+    task = asyncio.create_task(peer())
+    with pytest.raises(ConnectionResetError) as info:
+        await asyncio.wait_for(
+            slabnet.open_connection(
+                "127.0.0.1", listener.getsockname()[1], ssl=client_ctx(tls_ca),
+                server_hostname="localhost",
+            ),
+            WAKE,
+        )
+    assert "during the TLS handshake" in str(info.value)
+    await task
