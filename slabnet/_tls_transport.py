@@ -84,6 +84,18 @@ _TLS_EXTRA: Final = frozenset(
 )
 
 
+def check_ssl_timeout(name: str, value: float | None, default: float) -> float:
+    """``value``, or ``default`` for None; asyncio's ValueError (its words,
+    sslproto.py) for a timeout that is not positive: 0 would fail every
+    handshake at once, and a shutdown timeout of 0 would drop what close()
+    still has to send."""
+    if value is None:
+        return default
+    if value <= 0:
+        raise ValueError(f"{name} should be a positive number, got {value}")
+    return value
+
+
 class _Stage(enum.Enum):
     HANDSHAKE = "handshake"  # the app has no transport yet (or STARTTLS waits)
     READY = "ready"  # reading and writing
@@ -129,11 +141,11 @@ class TLSTransport(WriteGate, asyncio.Transport):
         self._deliver: Any
         self.set_protocol(app)
         self._engine_args = (sslcontext, server_side, server_hostname, ssl_ragged_eof, ssl_session)
-        self._handshake_timeout = (
-            SSL_HANDSHAKE_TIMEOUT if ssl_handshake_timeout is None else ssl_handshake_timeout
+        self._handshake_timeout = check_ssl_timeout(
+            "ssl_handshake_timeout", ssl_handshake_timeout, SSL_HANDSHAKE_TIMEOUT
         )
-        self._shutdown_timeout = (
-            SSL_SHUTDOWN_TIMEOUT if ssl_shutdown_timeout is None else ssl_shutdown_timeout
+        self._shutdown_timeout = check_ssl_timeout(
+            "ssl_shutdown_timeout", ssl_shutdown_timeout, SSL_SHUTDOWN_TIMEOUT
         )
         self._waiter = waiter
         self._upgrade = upgrade  # STARTTLS: the app has its (plain) transport

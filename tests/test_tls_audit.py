@@ -65,3 +65,45 @@ async def test_fin_during_the_handshake_is_connection_reset(
         )
     assert "during the TLS handshake" in str(info.value)
     await task
+
+
+# ------------------------------------------------- the timeout keywords
+
+
+BAD_TIMEOUTS = pytest.mark.parametrize(
+    ("name", "value"),
+    [("ssl_handshake_timeout", 0), ("ssl_handshake_timeout", -1.0),
+     ("ssl_shutdown_timeout", 0), ("ssl_shutdown_timeout", -5)],
+)
+
+
+@BAD_TIMEOUTS
+@pytest.mark.asyncio
+async def test_timeouts_that_are_not_positive_are_refused(
+    tls_echo_server: tuple[str, int], tls_client_context: ssl.SSLContext,
+    server_cert: Any, name: str, value: float,
+) -> None:
+    """asyncio: ValueError("... should be a positive number, got 0"). A
+    handshake timeout of 0 failing every handshake, or a shutdown timeout of
+    0 dropping what close() still sends, is an operator's typo, not a wish."""
+    message = f"{name} should be a positive number, got {value}"
+    with pytest.raises(ValueError, match=message):
+        await slabnet.open_connection(
+            *tls_echo_server, ssl=tls_client_context, server_hostname="localhost",
+            **{name: value},
+        )
+    with pytest.raises(ValueError, match=message):
+        await slabnet.start_server(
+            lambda r, w: None, "127.0.0.1", 0, ssl=server_ctx(server_cert), **{name: value}
+        )
+    # STARTTLS: refused before anything changes; the plain connection goes on.
+    reader, writer = await slabnet.open_connection(*tls_echo_server)
+    try:
+        with pytest.raises(ValueError, match=message):
+            await writer.start_tls(
+                tls_client_context, server_hostname="localhost", **{name: value}
+            )
+        assert not isinstance(writer.transport, slabnet.TLSTransport)
+    finally:
+        writer.close()
+        await writer.wait_closed()
