@@ -148,6 +148,8 @@ class TLSTransport(WriteGate, asyncio.Transport):
             "ssl_shutdown_timeout", ssl_shutdown_timeout, SSL_SHUTDOWN_TIMEOUT
         )
         self._waiter = waiter
+        if waiter is not None:
+            waiter.add_done_callback(self._waiter_done)
         self._upgrade = upgrade  # STARTTLS: the app has its (plain) transport
         self._app_made = upgrade  # the app's connection_made was called
         self._engine: TLSEngine | None = None
@@ -580,6 +582,13 @@ class TLSTransport(WriteGate, asyncio.Transport):
         if self._plain:
             self._flush()
         self._pump()
+
+    def _waiter_done(self, waiter: asyncio.Future[None]) -> None:
+        # The caller gave up on the handshake (a timeout, a cancelled task):
+        # what was exchanged is neither plaintext nor TLS, so the connection
+        # ends, as asyncio's start_tls closes its transport then.
+        if waiter.cancelled() and self._stage is _Stage.HANDSHAKE and self._lower is not None:
+            self._fail(LocalAbortError("the TLS handshake was cancelled"))
 
     @staticmethod
     def _handshake_reset() -> ConnectionResetError:

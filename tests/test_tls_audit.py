@@ -107,3 +107,46 @@ async def test_timeouts_that_are_not_positive_are_refused(
     finally:
         writer.close()
         await writer.wait_closed()
+
+
+# ------------------------------------------------- a cancelled STARTTLS handshake
+
+
+@pytest.mark.parametrize("how", ["writer", "transport"])
+@pytest.mark.asyncio
+async def test_cancelled_start_tls_ends_the_connection(
+    listener: socket.socket, tls_ca: Any, how: str
+) -> None:
+    """A STARTTLS handshake given up by its caller (a timeout, a cancelled
+    task) leaves bytes that are neither plaintext nor TLS: asyncio closes the
+    transport (its start_tls: ``except BaseException: transport.close()``).
+    slabnet went on waiting for the handshake, so a read hung until the
+    60 s handshake timeout and the peer's connection stayed open."""
+    loop = asyncio.get_running_loop()
+    reader, writer = await slabnet.open_connection("127.0.0.1", listener.getsockname()[1])
+    conn = await accept(listener)
+    try:
+        if how == "writer":
+            upgrade = writer.start_tls(client_ctx(tls_ca), server_hostname="localhost")
+        else:
+            transport = writer.transport
+            assert isinstance(transport, slabnet.SlabTransport)
+            upgrade = transport.start_tls(client_ctx(tls_ca), server_hostname="localhost")
+        task = asyncio.ensure_future(upgrade)
+        assert (await loop.sock_recv(conn, 65536))[:1] == b"\x16"  # ClientHello; no answer
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        # The peer sees the connection end (FIN or RST), without waiting.
+        try:
+            rest = await asyncio.wait_for(loop.sock_recv(conn, 65536), WAKE)
+        except ConnectionResetError:
+            rest = b""
+        assert rest == b""
+        if how == "writer":
+            assert writer.is_closing()
+            with pytest.raises(ConnectionAbortedError):
+                await asyncio.wait_for(reader.read(), WAKE)
+    finally:
+        conn.close()
+        writer.close()
