@@ -193,6 +193,8 @@ class TLSTransport(WriteGate, asyncio.Transport):
         if self._upgrade:
             low, high = lower.get_write_buffer_limits()
             self.set_write_buffer_limits(high, low)
+        else:
+            self._forward_limits()
         ctx, server_side, hostname, ragged, session = self._engine_args
         try:
             # Raises for a bad server_hostname (UnicodeError, ValueError)
@@ -396,9 +398,15 @@ class TLSTransport(WriteGate, asyncio.Transport):
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         super().set_write_buffer_limits(high, low)
+        self._forward_limits()
+
+    def _forward_limits(self) -> None:
+        # The plain connection's pause/resume calls tell us when to look
+        # again, so it pauses above our low-water mark and resumes at it: we
+        # may be paused by plaintext while its queue stays under our high
+        # mark, and then its drain to our low mark must still reach us.
         if self._lower is not None:
-            # Its pause/resume calls tell us when to look again.
-            self._lower.set_write_buffer_limits(self._high, self._low)
+            self._lower.set_write_buffer_limits(self._low, self._low)
 
     # ------------------------------------------------ closing
 

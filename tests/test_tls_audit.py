@@ -150,3 +150,53 @@ async def test_cancelled_start_tls_ends_the_connection(
     finally:
         conn.close()
         writer.close()
+
+
+# ------------------------------------------------- write flow control
+
+
+@pytest.mark.asyncio
+async def test_writer_paused_by_plaintext_is_resumed_once_the_socket_drains(
+    server_cert: Any, tls_ca: Any
+) -> None:
+    """The TLS transport pauses the app on plaintext plus the plain queue;
+    it looked again only when the plain connection paused or resumed. Text
+    gathered past the high-water mark (here: written during a STARTTLS
+    handshake; in bulk transfers, plaintext gathered while the queue was
+    just under the mark) whose ciphertext left the plain queue between the
+    marks, so that the plain connection never paused, left the app paused
+    for good: drain() hung although every byte was sent (seen on uvloop
+    with a 4 KiB send buffer and drain() after each 30 KB write)."""
+    loop = asyncio.get_running_loop()
+    size = 64 * 1024 + 1  # just over the high-water mark
+    lsock = socket.socket()
+    lsock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # inherited, before listen
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen()
+    lsock.setblocking(False)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    sock.connect(lsock.getsockname())
+    reader, writer = await slabnet.open_connection(sock=sock)
+    conn = await accept(lsock)
+    try:
+        tls = RawTLS(conn, server_ctx(server_cert), server_side=True)
+        upgrade = asyncio.ensure_future(
+            writer.start_tls(client_ctx(tls_ca), server_hostname="localhost")
+        )
+        await asyncio.sleep(0)
+        writer.write(b"s" * size)  # gathered: encrypted once the handshake is done
+        assert writer.transport.get_write_buffer_size() == size
+        drained = asyncio.ensure_future(writer.drain())  # paused: waits
+        async with asyncio.timeout(WAKE):
+            await tls.handshake()
+            await upgrade
+            got = await tls.recv_plain(size)  # every byte arrives...
+        assert got == b"s" * size
+        assert writer.transport.get_write_buffer_size() == 0
+        # ... and the writer is let go.
+        await asyncio.wait_for(drained, 5.0)
+    finally:
+        writer.transport.abort()
+        conn.close()
+        lsock.close()
