@@ -393,8 +393,15 @@ class TLSTransport(WriteGate, asyncio.Transport):
         raise NotImplementedError("write_eof() is not supported on TLS connections")
 
     def get_write_buffer_size(self) -> int:
-        lower = self._lower
-        return self._plain_bytes + (0 if lower is None else lower.get_write_buffer_size())
+        # Plaintext gathered, plaintext the engine holds during a TLS 1.2
+        # renegotiation (a peer that never finishes one must not make a
+        # writer buffer without bound), and the plain connection's queue.
+        lower, engine = self._lower, self._engine
+        return (
+            self._plain_bytes
+            + (0 if engine is None else engine.held_plaintext)
+            + (0 if lower is None else lower.get_write_buffer_size())
+        )
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         super().set_write_buffer_limits(high, low)
@@ -542,6 +549,8 @@ class TLSTransport(WriteGate, asyncio.Transport):
             lower.writelines(pieces)
         if self._held and not engine.held_plaintext:
             self._track([])
+        if self._writing_paused:
+            self._check_pause()  # held plaintext may have been encrypted
 
     def _fail_writes(self, exc: BaseException) -> None:
         for req in self._held + self._reqs:

@@ -8,14 +8,19 @@ picks (``conftest.RawTLS``, or plain sockets for bytes that are not TLS).
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import socket
 import ssl
+import subprocess
 from typing import Any
 
 import pytest
 
 import slabnet
-from conftest import RawTLS, client_ctx, server_ctx
+from conftest import RawTLS, block_until_records, client_ctx, server_ctx
+from test_tls_renegotiation import unread
+from test_tls_streams import connect_retry, free_port, pem_files  # noqa: F401 (fixture)
 
 WAKE = 10.0  # seconds any waiter may take to wake after a fault (see test_faults)
 
@@ -200,3 +205,58 @@ async def test_writer_paused_by_plaintext_is_resumed_once_the_socket_drains(
         writer.transport.abort()
         conn.close()
         lsock.close()
+
+
+@pytest.mark.asyncio
+async def test_plaintext_held_by_a_stalled_renegotiation_pauses_the_writer(
+    pem_files: dict[str, str],  # noqa: F811
+) -> None:
+    """A TLS 1.2 server that starts a renegotiation and never finishes it:
+    OpenSSL encrypts nothing meanwhile and the engine holds the plaintext.
+    That plaintext was not in get_write_buffer_size(), so drain() never
+    blocked and a writer looping on write()/drain() buffered without bound
+    (13 MB in 200 writes here; asyncio pauses it at its high-water mark)."""
+    port = free_port()
+    proc = subprocess.Popen(
+        ["openssl", "s_server", "-accept", f"127.0.0.1:{port}", "-cert", pem_files["server"],
+         "-naccept", "1", "-tls1_2"],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    assert proc.stdin is not None
+    stopped = False
+    try:
+        ctx = ssl.create_default_context(cafile=pem_files["ca"])
+        reader, writer = await connect_retry(port, ssl=ctx, server_hostname="localhost")
+        transport = writer.transport
+        engine = transport._engine  # type: ignore[union-attr]
+        fd = writer.get_extra_info("socket").fileno()
+        proc.stdin.write(b"r\n")  # s_server: renegotiate (a command must come alone)
+        proc.stdin.flush()
+        block_until_records(fd, lambda recs: any(r[0] == 22 for r in recs))  # HelloRequest
+        os.kill(proc.pid, signal.SIGSTOP)  # it never answers our ClientHello
+        stopped = True
+        async with asyncio.timeout(WAKE):
+            while unread(fd):  # the engine reads the HelloRequest, renegotiates
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+        high = transport.get_write_buffer_limits()[1]
+        for _ in range(4):
+            writer.write(b"w" * 65536)
+        await asyncio.sleep(0.05)  # the end-of-iteration flush ran: all held
+        held = engine.held_plaintext
+        assert held == 4 * 65536
+        assert transport.get_write_buffer_size() >= held > high
+        drained = asyncio.ensure_future(writer.drain())
+        await asyncio.sleep(0.2)
+        assert not drained.done()  # paused: nothing can leave
+        os.kill(proc.pid, signal.SIGCONT)
+        stopped = False
+        await asyncio.wait_for(drained, 30)  # the renegotiation ends: resumed
+        assert engine.held_plaintext == 0
+        writer.close()
+    finally:
+        if stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        proc.kill()
+        proc.wait()
+        proc.stdin.close()
