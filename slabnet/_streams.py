@@ -60,7 +60,7 @@ from typing import Any, Final, cast
 
 from ._errors import LocalAbortError
 from ._slab import _Sealed
-from ._tls_transport import TLSTransport
+from ._tls_transport import TLSTransport, check_ssl_timeout
 from ._transport import ChunkProtocol, SlabProtocol, SlabTransport
 
 #: What a stream runs over: a plain connection, or the TLS layer on one.
@@ -841,6 +841,9 @@ def _ssl_args(
         if ssl_shutdown_timeout is not None:
             raise ValueError("ssl_shutdown_timeout is only meaningful with ssl")
         return None, None
+    # Before connecting (asyncio checks in its SSL protocol, after).
+    check_ssl_timeout("ssl_handshake_timeout", ssl_handshake_timeout, 0.0)
+    check_ssl_timeout("ssl_shutdown_timeout", ssl_shutdown_timeout, 0.0)
     if ssl is True:
         if server_side:
             raise ValueError("start_server(ssl=True) needs an SSLContext with a certificate")

@@ -84,6 +84,18 @@ _TLS_EXTRA: Final = frozenset(
 )
 
 
+def check_ssl_timeout(name: str, value: float | None, default: float) -> float:
+    """``value``, or ``default`` for None; asyncio's ValueError (its words,
+    sslproto.py) for a timeout that is not positive: 0 would fail every
+    handshake at once, and a shutdown timeout of 0 would drop what close()
+    still has to send."""
+    if value is None:
+        return default
+    if value <= 0:
+        raise ValueError(f"{name} should be a positive number, got {value}")
+    return value
+
+
 class _Stage(enum.Enum):
     HANDSHAKE = "handshake"  # the app has no transport yet (or STARTTLS waits)
     READY = "ready"  # reading and writing
@@ -130,13 +142,15 @@ class TLSTransport(WriteGate):
         self._deliver: Any
         self.set_protocol(app)
         self._engine_args = (sslcontext, server_side, server_hostname, ssl_ragged_eof, ssl_session)
-        self._handshake_timeout = (
-            SSL_HANDSHAKE_TIMEOUT if ssl_handshake_timeout is None else ssl_handshake_timeout
+        self._handshake_timeout = check_ssl_timeout(
+            "ssl_handshake_timeout", ssl_handshake_timeout, SSL_HANDSHAKE_TIMEOUT
         )
-        self._shutdown_timeout = (
-            SSL_SHUTDOWN_TIMEOUT if ssl_shutdown_timeout is None else ssl_shutdown_timeout
+        self._shutdown_timeout = check_ssl_timeout(
+            "ssl_shutdown_timeout", ssl_shutdown_timeout, SSL_SHUTDOWN_TIMEOUT
         )
         self._waiter = waiter
+        if waiter is not None:
+            waiter.add_done_callback(self._waiter_done)
         self._upgrade = upgrade  # STARTTLS: the app has its (plain) transport
         self._app_made = upgrade  # the app's connection_made was called
         self._engine: TLSEngine | None = None
@@ -188,6 +202,8 @@ class TLSTransport(WriteGate):
         if self._upgrade:
             low, high = lower.get_write_buffer_limits()
             self.set_write_buffer_limits(high, low)
+        else:
+            self._forward_limits()
         ctx, server_side, hostname, ragged, session = self._engine_args
         try:
             # Raises for a bad server_hostname (UnicodeError, ValueError)
@@ -388,8 +404,15 @@ class TLSTransport(WriteGate):
         raise NotImplementedError("write_eof() is not supported on TLS connections")
 
     def get_write_buffer_size(self) -> int:
-        lower = self._lower
-        return self._plain_bytes + (0 if lower is None else lower.get_write_buffer_size())
+        # Plaintext gathered, plaintext the engine holds during a TLS 1.2
+        # renegotiation (a peer that never finishes one must not make a
+        # writer buffer without bound), and the plain connection's queue.
+        lower, engine = self._lower, self._engine
+        return (
+            self._plain_bytes
+            + (0 if engine is None else engine.held_plaintext)
+            + (0 if lower is None else lower.get_write_buffer_size())
+        )
 
     def _check_pause(self) -> None:
         # Our buffer is the plaintext not yet encrypted plus the plain
@@ -407,9 +430,15 @@ class TLSTransport(WriteGate):
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         super().set_write_buffer_limits(high, low)
+        self._forward_limits()
+
+    def _forward_limits(self) -> None:
+        # The plain connection's pause/resume calls tell us when to look
+        # again, so it pauses above our low-water mark and resumes at it: we
+        # may be paused by plaintext while its queue stays under our high
+        # mark, and then its drain to our low mark must still reach us.
         if self._lower is not None:
-            # Its pause/resume calls tell us when to look again.
-            self._lower.set_write_buffer_limits(self._high, self._low)
+            self._lower.set_write_buffer_limits(self._low, self._low)
 
     # ------------------------------------------------ closing
 
@@ -555,6 +584,8 @@ class TLSTransport(WriteGate):
             lower.writelines(pieces)
         if self._held and not engine.held_plaintext:
             self._track([])
+        if self._writing_paused:
+            self._check_pause()  # held plaintext may have been encrypted
 
     def _fail_writes(self, exc: BaseException) -> None:
         for req in self._held + self._reqs:
@@ -573,12 +604,18 @@ class TLSTransport(WriteGate):
             done = engine.do_handshake()
         except Exception as exc:
             self._send_output()
+            if isinstance(exc, TLSTruncatedError) and self._peer_eof:
+                # The peer's FIN cut the handshake: asyncio's (and uvloop's)
+                # ConnectionResetError, which code written for them catches.
+                reset = self._handshake_reset()
+                reset.__cause__ = exc
+                exc = reset
             self._fail(exc)
             return
         self._send_output()
         if not done:
             if self._peer_eof:
-                self._fail(ConnectionResetError("peer closed the connection during the TLS handshake"))
+                self._fail(self._handshake_reset())
             return
         if self._timer is not None:
             self._timer.cancel()
@@ -597,6 +634,17 @@ class TLSTransport(WriteGate):
         if self._plain:
             self._flush()
         self._pump()
+
+    def _waiter_done(self, waiter: asyncio.Future[None]) -> None:
+        # The caller gave up on the handshake (a timeout, a cancelled task):
+        # what was exchanged is neither plaintext nor TLS, so the connection
+        # ends, as asyncio's start_tls closes its transport then.
+        if waiter.cancelled() and self._stage is _Stage.HANDSHAKE and self._lower is not None:
+            self._fail(LocalAbortError("the TLS handshake was cancelled"))
+
+    @staticmethod
+    def _handshake_reset() -> ConnectionResetError:
+        return ConnectionResetError("peer closed the connection during the TLS handshake")
 
     def _handshake_timed_out(self) -> None:
         self._timer = None
