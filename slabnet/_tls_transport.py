@@ -166,9 +166,6 @@ class TLSTransport(WriteGate):
         self._plain_bytes = 0
         self._flush_scheduled = False
         self._reqs: list[WriteRequest] = []  # waiting for encryption
-        # The plain connection's writing is paused (its pause_writing came,
-        # its resume_writing not yet): see _check_pause.
-        self._lower_paused = False
         # Requests whose plaintext the engine holds until a renegotiation
         # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
         self._held: list[WriteRequest] = []
@@ -177,7 +174,7 @@ class TLSTransport(WriteGate):
             # STARTTLS on a plain connection whose writing is paused: the app
             # has had pause_writing and waits for its resume, which is ours
             # to give now, once the plain connection resumes.
-            self._writing_paused = self._lower_paused = True
+            self._writing_paused = True
 
     # ------------------------------------------------ lifecycle gate
 
@@ -285,11 +282,9 @@ class TLSTransport(WriteGate):
             self._app.connection_lost(err)
 
     def pause_writing(self) -> None:
-        self._lower_paused = True
         self._check_pause()  # the plain connection's queue is part of ours
 
     def resume_writing(self) -> None:
-        self._lower_paused = False
         self._check_pause()
 
     # ================================================ the app's side
@@ -413,20 +408,6 @@ class TLSTransport(WriteGate):
             + (0 if engine is None else engine.held_plaintext)
             + (0 if lower is None else lower.get_write_buffer_size())
         )
-
-    def _check_pause(self) -> None:
-        # Our buffer is the plaintext not yet encrypted plus the plain
-        # connection's queue, which tells us only when it crosses its own
-        # limits (ours). A pause we took while plaintext waited can find the
-        # queue between low and high once that plaintext is encrypted: the
-        # queue then drains without ever calling resume_writing, and a
-        # drain() waiting on our pause would wait forever. With no plaintext
-        # left our buffer is the queue, so its pause is ours: resume.
-        if self._writing_paused and not self._plain_bytes and not self._lower_paused:
-            self._writing_paused = False
-            self._notify_app("resume_writing")
-            return
-        super()._check_pause()
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         super().set_write_buffer_limits(high, low)
