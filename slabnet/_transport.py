@@ -273,6 +273,8 @@ class WriteGate(asyncio.Transport):
 
     def _notify_app(self, name: str) -> None:
         app = self.get_protocol()
+        if app is None:  # (the connection is gone)
+            return
         try:
             getattr(app, name)()
         except Exception as exc:  # an application bug: report, carry on
@@ -948,15 +950,22 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._transport = None
         if not self._upper_made:
             return
-        held = self._held
+        upper, held = self.upper, self._held
+        # The upper protocol is let go (the transport's get_protocol() is
+        # None from now on, as asyncio's): it holds this connection's
+        # transport, which holds us, and without the cut every closed
+        # connection -- over TLS its SSLObject too -- would wait for the
+        # cyclic garbage collector instead of being freed with its last
+        # reference.
+        self.upper = self._deliver = None
         if held is not None:  # what arrived before the end is delivered first
             self._held = None
             try:
-                self._deliver(held)
+                upper.chunk_received(held)
             finally:
-                self.upper.connection_lost(err)
+                upper.connection_lost(err)
             return
-        self.upper.connection_lost(err)
+        upper.connection_lost(err)
 
     def pause_writing(self) -> None:  # the loop transport never writes
         pass

@@ -1,0 +1,78 @@
+"""A closed connection is freed with its last reference, as asyncio's.
+
+Each layer of a connection refers to the next (the stream's transport, the
+transport's protocol, the TLS layer's app), and a cycle among them keeps a
+closed connection -- over TLS with its SSLObject, OpenSSL's tens of KiB --
+until the cyclic garbage collector runs, which for long-lived connections
+(promoted to the oldest generation) can be a long time on a busy server.
+So these tests turn the collector off and count what is left.
+
+Every test runs on the asyncio loop and on uvloop, on loopback sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import ssl
+from collections import Counter
+
+import pytest
+
+import slabnet
+
+#: The per-connection objects of slabnet (and the ssl module's under them).
+_KINDS = frozenset({
+    "SlabTransport", "SlabProtocol", "TLSTransport", "TLSEngine", "_StreamProtocol",
+    "StreamReader", "StreamWriter", "SSLObject",
+})
+
+
+def _alive() -> Counter[str]:
+    """Per-connection objects the collector tracks: reachable or in a cycle."""
+    return Counter(
+        type(o).__name__ for o in gc.get_objects()
+        if type(o).__name__ in _KINDS and type(o).__module__.startswith(("slabnet", "ssl"))
+    )
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_closed_connections_need_no_garbage_collector(
+    tls: bool, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext
+) -> None:
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        writer.write(await reader.read(100))
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+    server = await slabnet.start_server(
+        handler, "127.0.0.1", 0, ssl=tls_server_context if tls else None
+    )
+    port = server.sockets[0].getsockname()[1]
+    kw = {"ssl": tls_client_context, "server_hostname": "localhost"} if tls else {}
+
+    async def exchange() -> None:
+        reader, writer = await slabnet.open_connection("127.0.0.1", port, **kw)
+        writer.write(b"hello")
+        assert await reader.read() == b"hello"
+        writer.close()
+        await writer.wait_closed()
+
+    try:
+        await asyncio.wait_for(exchange(), 5)  # what a loop sets up once
+        gc.collect()
+        gc.disable()
+        try:
+            before = _alive()
+            for _ in range(10):
+                await asyncio.wait_for(exchange(), 5)
+            await asyncio.sleep(0.05)  # (the server's handlers end)
+            left = _alive() - before
+        finally:
+            gc.enable()
+        assert not left, f"closed connections kept alive by cycles: {dict(left)}"
+    finally:
+        server.close()
+        await server.wait_closed()
