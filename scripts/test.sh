@@ -17,7 +17,10 @@ other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py
              tests/test_plugin.py  # Server.wait_closed() waits for connections from 3.12
              tests/test_reader_hardening.py  # tuple separators from 3.13
              tests/test_writer_hardening.py  # Server.close_clients() from 3.13
-             tests/test_adaptive_reads.py)
+             tests/test_adaptive_reads.py
+             tests/test_lifetime.py  # reference cycles, per version's gc
+             tests/test_write_audit.py tests/test_streams_audit.py
+             tests/test_conn_hardening.py)
 [ -f tests/test_soak.py ] && other_tests+=(tests/test_soak.py)
 for minor in 3.12 3.13; do
     py=""
