@@ -9,44 +9,14 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 import slabnet
+from test_writer_hardening import connect_small, shrink, small_listener  # noqa: F401 (a fixture)
 
 WAKE = 5.0  # seconds any wait may take before the test fails
-SMALL_BUF = 16 * 1024  # SO_SNDBUF / SO_RCVBUF where a test needs a backlog
-
-
-def shrink(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUF)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUF)
-
-
-@pytest_asyncio.fixture
-async def small_listener() -> AsyncIterator[socket.socket]:
-    """A plain listening socket whose connections have small buffers."""
-    sock = socket.socket()
-    shrink(sock)  # inherited by accepted sockets
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    sock.setblocking(False)
-    yield sock
-    sock.close()
-
-
-async def connect_small(port: int, **kw: Any) -> tuple[slabnet.StreamReader, slabnet.StreamWriter]:
-    """A slabnet client whose socket has small buffers from the start."""
-    sock = socket.socket()
-    shrink(sock)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", port))
-    return await slabnet.open_connection(sock=sock, **kw)
-
-
 async def count_to_eof(reader: slabnet.StreamReader) -> int:
     n = 0
     while chunk := await reader.read_chunk():
