@@ -725,7 +725,8 @@ class SlabTransport(WriteGate):
 
         ``Server.close_clients()`` (3.13), or anything else that calls
         ``close()`` on the loop's transport, ends it at once: that transport
-        never wrote, so it has nothing to flush. Our duplicate descriptor
+        never wrote, so it has nothing to flush. The duplicate descriptor
+        that a waiting queue holds (taken now if the queue was polling)
         keeps the connection itself open, so what slabnet queued still goes
         out on it, as asyncio's own transport flushes before it closes; then
         the duplicate is closed (``_maybe_close_raw``) and the connection is
