@@ -278,13 +278,14 @@ class TLSTransport(WriteGate):
                 "connection lost during the TLS handshake"
                 if stage is _Stage.HANDSHAKE else "connection lost"
             ))
-        app = self._app
-        # Let the app go, as the plain connection lets us go: it holds us
-        # (a stream's transport), and the cycle would keep the connection
-        # and its SSLObject for the cyclic garbage collector.
-        self._app = self._deliver = None
-        if self._app_made:
-            app.connection_lost(err)
+        try:
+            if self._app_made:
+                self._app.connection_lost(err)
+        finally:
+            # Then let the app go, as the plain connection lets us go: it
+            # holds us (a stream's transport), and the cycle would keep the
+            # connection and its SSLObject for the cyclic garbage collector.
+            self._app = self._deliver = None
 
     def pause_writing(self) -> None:
         self._check_pause()  # the plain connection's queue is part of ours

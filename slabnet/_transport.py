@@ -952,21 +952,23 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if not self._upper_made:
             return
         upper, held = self.upper, self._held
-        # The upper protocol is let go (the transport's get_protocol() is
-        # None from now on, as asyncio's): it holds this connection's
-        # transport, which holds us, and without the cut every closed
-        # connection -- over TLS its SSLObject too -- would wait for the
-        # cyclic garbage collector instead of being freed with its last
-        # reference.
-        self.upper = self._deliver = None
-        if held is not None:  # what arrived before the end is delivered first
-            self._held = None
-            try:
-                upper.chunk_received(held)
-            finally:
+        try:
+            if held is not None:  # what arrived before the end is delivered first
+                self._held = None
+                try:
+                    upper.chunk_received(held)
+                finally:
+                    upper.connection_lost(err)
+            else:
                 upper.connection_lost(err)
-            return
-        upper.connection_lost(err)
+        finally:
+            # Then the upper protocol is let go (the transport's
+            # get_protocol() is None from now on, as asyncio's): it holds
+            # this connection's transport, which holds us, and without the
+            # cut every closed connection -- over TLS its SSLObject too --
+            # would wait for the cyclic garbage collector instead of being
+            # freed with its last reference.
+            self.upper = self._deliver = None
 
     def pause_writing(self) -> None:  # the loop transport never writes
         pass

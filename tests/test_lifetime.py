@@ -76,3 +76,51 @@ async def test_closed_connections_need_no_garbage_collector(
     finally:
         server.close()
         await server.wait_closed()
+
+
+class _Recorder(slabnet.ChunkProtocol):
+    def __init__(self) -> None:
+        self.transport: asyncio.BaseTransport | None = None
+        self.seen_in_lost: object = "not called"
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        assert self.transport is not None
+        self.seen_in_lost = self.transport.get_protocol()
+        self.lost.set_result(None)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_the_protocol_is_let_go_after_connection_lost(
+    tls: bool, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext
+) -> None:
+    # As asyncio's transports: get_protocol() is the protocol up to and
+    # during its connection_lost(), None after it.
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        await reader.read()
+        writer.close()
+
+    server = await slabnet.start_server(
+        handler, "127.0.0.1", 0, ssl=tls_server_context if tls else None
+    )
+    kw = {"ssl": tls_client_context, "server_hostname": "localhost"} if tls else {}
+    try:
+        app = _Recorder()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        await asyncio.get_running_loop().create_connection(
+            lambda: slabnet.SlabProtocol(app, handshake_waiter=done, **kw),
+            *server.sockets[0].getsockname()[:2],
+        )
+        await asyncio.wait_for(done, 5)
+        assert app.transport is not None and app.transport.get_protocol() is app
+        app.transport.close()
+        await asyncio.wait_for(app.lost, 5)
+        assert app.seen_in_lost is app
+        assert app.transport.get_protocol() is None
+    finally:
+        server.close()
+        await server.wait_closed()
