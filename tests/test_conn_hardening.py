@@ -167,17 +167,23 @@ async def test_client_context_on_the_server_aborts_and_reports(tls_ca: Any) -> N
     assert await fds_settle(baseline) <= baseline
 
 
+def _take_every_descriptor() -> list[int]:
+    """Open /dev/null until EMFILE; the caller closes what is returned."""
+    taken: list[int] = []
+    try:
+        while True:
+            taken.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        assert exc.errno == errno.EMFILE
+    return taken
+
+
 def _fill_descriptors(keep_free: int) -> tuple[list[int], tuple[int, int]]:
     """Lower RLIMIT_NOFILE and open /dev/null until ``keep_free`` are left."""
     old = resource.getrlimit(resource.RLIMIT_NOFILE)
     highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 64, old[1]))
-    fillers: list[int] = []
-    try:
-        while True:
-            fillers.append(os.open(os.devnull, os.O_RDONLY))
-    except OSError as exc:
-        assert exc.errno == errno.EMFILE
+    fillers = _take_every_descriptor()
     for _ in range(keep_free):
         os.close(fillers.pop())
     return fillers, old
@@ -191,17 +197,6 @@ async def _connect_with_free(keep_free: int, opener: Any, port: int) -> Any:
         for fd in fillers:
             os.close(fd)
         resource.setrlimit(resource.RLIMIT_NOFILE, old)
-
-
-def _take_every_descriptor() -> list[int]:
-    """Open /dev/null until EMFILE; the caller closes what is returned."""
-    taken: list[int] = []
-    try:
-        while True:
-            taken.append(os.open(os.devnull, os.O_RDONLY))
-    except OSError as exc:
-        assert exc.errno == errno.EMFILE
-    return taken
 
 
 @pytest.mark.asyncio
