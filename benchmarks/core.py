@@ -76,6 +76,9 @@ def _on_both_loops(*apis: str) -> list[Impl]:
 SLABNET_CHUNKS = _on_both_loops("slabnet-chunks")
 SLABNET_READ = _on_both_loops("slabnet-read")
 SLABNET_PROTO = _on_both_loops("slabnet-proto")
+# SlabProtocol with an app that keeps each chunk until the next loop
+# iteration, as a stream's consumer task does (busy: what that hop costs).
+SLABNET_HELD = _on_both_loops("slabnet-held")
 STREAMS = _on_both_loops("streams")
 PROTO = _on_both_loops("proto")
 SLABNET_WRITER = _on_both_loops("slabnet")
@@ -85,7 +88,7 @@ CEILING = Impl("ceiling", "asyncio", needs_server=False, on_loop=False)
 FLOOR = Impl("floor", "asyncio", on_loop=False)
 
 ALL_IMPLS: tuple[Impl, ...] = tuple(
-    SLABNET_CHUNKS + SLABNET_READ + SLABNET_PROTO + SLABNET_WRITER + STREAMS + PROTO
+    SLABNET_CHUNKS + SLABNET_READ + SLABNET_PROTO + SLABNET_HELD + SLABNET_WRITER + STREAMS + PROTO
     + [FLOOR, CEILING] + HTTPX
 )
 

@@ -69,6 +69,8 @@ from ..core import (
     PEAK_RSS,
     PROTO,
     SLABNET_CHUNKS,
+    SLABNET_HELD,
+    SLABNET_PROTO,
     SLABNET_READ,
     STREAMS,
     ClientContext,
@@ -320,8 +322,57 @@ class _CheckingProtocol(asyncio.Protocol):
             self.done.set_exception(exc)
 
 
-def _factory(proto: _CheckingProtocol) -> Callable[[], _CheckingProtocol]:
-    return lambda: proto
+class _CheckingChunkApp:
+    """The app of ``slabnet.SlabProtocol`` (``slabnet-proto``): the same
+    checks on each chunk, in the loop callback that read it.
+
+    ``hold`` (``slabnet-held``): also keep each chunk until a callback of
+    the next loop iteration drops it, which is as long as a stream's
+    consumer task has it at the earliest -- the task runs an iteration after
+    the read, when the loop has made every other ready connection's read --
+    and pause reading meanwhile, as a stream whose buffer holds a 256 KiB
+    chunk does (above twice its 64 KiB limit). So the read path is the same
+    as ``slabnet-proto``'s and only the chunks' lifetime differs: what that
+    lifetime alone costs.
+    """
+
+    def __init__(self, proto: _CheckingProtocol, hold: bool) -> None:
+        self._proto = proto
+        self._held: list[memoryview] | None = [] if hold else None
+        self._loop = asyncio.get_running_loop()
+
+    def connection_made(self, transport: Any) -> None:
+        self._proto.connection_made(transport)
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        held = self._held
+        if held is not None:
+            if not held:
+                self._proto.transport.pause_reading()
+                self._loop.call_soon(self._release)
+            held.append(chunk)
+        self._proto.data_received(chunk)  # type: ignore[arg-type]
+
+    def _release(self) -> None:
+        assert self._held is not None
+        self._held.clear()
+        transport = self._proto.transport
+        if not transport.is_closing():
+            transport.resume_reading()
+
+    def eof_received(self) -> bool | None:
+        return self._proto.eof_received()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._proto.connection_lost(exc)
+
+
+def _factory(proto: _CheckingProtocol, api: str, tls_kwargs: dict[str, Any]) -> Callable[[], Any]:
+    if api == "proto":
+        return lambda: proto
+    slabnet = import_slabnet()
+    hold = api == "slabnet-held"
+    return lambda: slabnet.SlabProtocol(_CheckingChunkApp(proto, hold), **tls_kwargs)
 
 
 async def client(ctx: ClientContext) -> dict[str, Any]:
@@ -330,14 +381,17 @@ async def client(ctx: ClientContext) -> dict[str, Any]:
     want = per_connection(p)
     api = ctx.impl.api
     run = _Run(n)
-    if api == "proto":
+    if api in ("proto", "slabnet-proto", "slabnet-held"):
         loop = asyncio.get_running_loop()
         kwargs: dict[str, Any] = {}
         if tls:
             kwargs = {"ssl": client_ssl_context(ctx.files), "server_hostname": SERVER_HOSTNAME}
+        # asyncio's SSL for the raw Protocol; slabnet's TLS inside SlabProtocol.
+        loop_kwargs, tls_kwargs = (kwargs, {}) if api == "proto" else ({}, kwargs)
         protos = [_CheckingProtocol(want, run) for _ in range(n)]
         opened = await asyncio.gather(*(
-            loop.create_connection(_factory(proto), ctx.host, ctx.port, **kwargs) for proto in protos))
+            loop.create_connection(_factory(proto, api, tls_kwargs), ctx.host, ctx.port, **loop_kwargs)
+            for proto in protos))
         try:
             await asyncio.gather(*(proto.done for proto in protos))
         finally:
@@ -375,7 +429,7 @@ SCENARIO = Scenario(
         "readsize": [64 * KiB],
     },
     quick={"n": [8], "size": [16 * MiB], "tls_size": [4 * MiB]},
-    impls=SLABNET_CHUNKS + SLABNET_READ + STREAMS + PROTO,
+    impls=SLABNET_CHUNKS + SLABNET_READ + STREAMS + PROTO + SLABNET_PROTO + SLABNET_HELD,
     client=client,
     server=serve,
     metrics=(
