@@ -33,7 +33,7 @@ import slabnet
 from slabnet.contrib.httpcore import SlabnetBackend, SlabnetStream
 from slabnet.contrib.httpx import AsyncSlabnetTransport
 
-from conftest import hard_close
+from conftest import RawTLS, hard_close, wait_acked
 
 BACKENDS = ("slabnet", "default")
 WAIT = 10.0  # seconds: the bound on every test's waits
@@ -269,6 +269,68 @@ async def test_keepalive_connection_ended_by_close_notify_alone_is_replaced(
             second = await c.get(f"{url}/bytes/10")
             assert second.content == payload(10)
     assert https_server.accepted == 2
+
+
+async def _tls_peer(listener: socket.socket, ctx: ssl.SSLContext) -> RawTLS:
+    """Accept one connection on ``listener`` and be its TLS server."""
+    peer, _ = await asyncio.get_running_loop().sock_accept(listener)
+    tls = RawTLS(peer, ctx, server_side=True)
+    await tls.handshake()
+    return tls
+
+
+async def _answer_one(tls: RawTLS, body: bytes = b"ok") -> None:
+    """Read one request head, byte by byte, and answer it (keep-alive)."""
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        head += await tls.recv_plain(1)
+    await tls.send(tls.seal(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body))
+
+
+@pytest.mark.asyncio
+async def test_keepalive_connection_holding_a_partial_tls_record_is_replaced(
+    listener: socket.socket, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    """The server sends the first bytes of a TLS record on an idle keep-alive
+    connection (a record that never completes: junk, or an alert cut in
+    flight). httpx's default backend finds them in the socket and drops the
+    connection; slabnet read them into its TLS layer, where they made no
+    plaintext, and used to reuse the connection: the next request waited for
+    an answer that never came (ReadTimeout)."""
+    port = listener.getsockname()[1]
+    url = f"https://127.0.0.1:{port}/"
+    seen: dict[str, object] = {}
+    peers: list[RawTLS] = []
+
+    async def serve(body: bytes) -> None:
+        peers.append(await _tls_peer(listener, tls_server_context))
+        await _answer_one(peers[-1], body)
+
+    try:
+        async with asyncio.timeout(WAIT):
+            for backend in BACKENDS:
+                async with client(backend, tls_client_context,
+                                  timeout=httpx.Timeout(WAIT, read=1.0)) as c:
+                    first, _ = await asyncio.gather(c.get(url), serve(b"ok"))
+                    assert first.content == b"ok"
+                    old = peers[-1]
+                    await old.send(old.seal(b"x" * 100)[:4])  # the start of a record
+                    await wait_acked(old.sock)  # in the client's kernel (or read)
+                    sock = first.extensions["network_stream"].get_extra_info("socket")
+                    while backend == "slabnet" and _socket_has_data(sock):
+                        await asyncio.sleep(0.001)  # slabnet's loop has read them
+                    server = asyncio.ensure_future(serve(b"new"))
+                    try:
+                        seen[backend] = (await c.get(url)).content
+                    except httpx.TransportError as exc:
+                        seen[backend] = type(exc)
+                    finally:
+                        server.cancel()
+    finally:
+        for peer in peers:
+            peer.sock.close()
+    assert seen == {"slabnet": b"new", "default": b"new"}
 
 
 # ---------------------------------------------------------------- errors
@@ -546,6 +608,36 @@ async def test_is_readable(listener: socket.socket) -> None:
             assert stream.get_extra_info("is_readable") is True
         finally:
             await stream.aclose()
+
+
+@pytest.mark.asyncio
+async def test_is_readable_with_a_partial_tls_record(
+    listener: socket.socket, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    """An idle TLS connection on which the start of a record arrived: the
+    bytes left the socket for slabnet's TLS layer, made no plaintext yet,
+    and the connection is readable (the pool must drop it)."""
+    backend = SlabnetBackend()
+    async with asyncio.timeout(WAIT):
+        stream = await backend.connect_tcp("127.0.0.1", listener.getsockname()[1])
+        try:
+            peer, (stream, _) = await asyncio.gather(
+                _tls_peer(listener, tls_server_context),
+                asyncio.gather(stream.start_tls(tls_client_context, "127.0.0.1", WAIT),
+                               asyncio.sleep(0)),
+            )
+            await asyncio.sleep(0.01)  # (TLS 1.3: the session tickets, read)
+            assert stream.get_extra_info("is_readable") is False
+            await peer.send(peer.seal(b"x" * 100)[:4])
+            await wait_acked(peer.sock)
+            sock = stream.get_extra_info("socket")
+            while _socket_has_data(sock):
+                await asyncio.sleep(0.001)  # the loop reads them
+            assert stream.get_extra_info("is_readable") is True
+        finally:
+            await stream.aclose()
+            peer.sock.close()
 
 
 def _socket_has_data(sock: Any) -> bool:

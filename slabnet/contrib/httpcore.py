@@ -43,7 +43,10 @@ it is readable: if it is, the server has closed or reset it or sent bytes
 nobody asked for, and the pool drops it. slabnet reads ahead, so what the
 server sent is usually in the reader already (bytes, EOF, the error); what
 the loop has not read yet is still in the socket, where a zero-timeout poll
-sees it (the check httpcore's own backends make). Either answers true.
+sees it (the check httpcore's own backends make). Either answers true. Over
+TLS, bytes can also have left the socket without making plaintext yet (the
+start of a record that never completes): the TLS layer holding them answers
+true too.
 
 Closing. ``aclose`` sends TLS close_notify (and FIN) if the socket takes it
 at once, then closes the socket without waiting for the server's
@@ -198,11 +201,13 @@ class SlabnetStream(httpcore.AsyncNetworkStream):
 
     def _is_readable(self) -> bool:
         reader = self._reader
+        transport = self._writer.transport
         if (
             _buffered(reader)
             or reader.at_eof()
             or reader.exception() is not None
-            or self._writer.is_closing()
+            or transport.is_closing()
+            or (isinstance(transport, slabnet.TLSTransport) and transport.has_pending_input())
         ):
             return True
         return _socket_readable(self._writer.get_extra_info("socket"))
