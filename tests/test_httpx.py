@@ -385,6 +385,54 @@ async def test_close_mid_body_gives_remote_protocol_error(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("ending", ["close_notify", "ragged"])
+async def test_close_delimited_body_ended_then_reset_is_whole(
+    listener: socket.socket, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext, ending: str,
+) -> None:
+    """A body delimited by the end of the connection: the server ends it
+    (close_notify and FIN, or a FIN alone), then resets the connection, as
+    one does that closes with bytes unread (say our close_notify). The EOF
+    came first, so the body is whole, on both backends. slabnet's reader
+    used to hold the later error (a broken pipe: our close_notify) beside
+    the EOF, and the last read raised it: ReadError."""
+    url = f"https://127.0.0.1:{listener.getsockname()[1]}/"
+    body = payload(1000)
+
+    async def serve() -> None:
+        peer = await _tls_peer(listener, tls_server_context)
+        try:
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                head += await peer.recv_plain(1)
+            wire = peer.seal(b"HTTP/1.1 200 OK\r\n\r\n" + body)
+            if ending == "close_notify":
+                wire += peer.close_notify()
+            await peer.send(wire)
+            peer.sock.shutdown(socket.SHUT_WR)
+        finally:
+            hard_close(peer.sock)
+
+    seen = {}
+    async with asyncio.timeout(WAIT):
+        for backend in BACKENDS:
+            async with client(backend, tls_client_context) as c:
+                served = asyncio.ensure_future(serve())
+                try:
+                    async with c.stream("GET", url) as r:
+                        await served
+                        sock = r.extensions["network_stream"].get_extra_info("socket")
+                        while backend == "slabnet" and sock.fileno() != -1:
+                            await asyncio.sleep(0.001)  # the reset has come
+                        seen[backend] = len(await r.aread()), r.content == body
+                except httpx.TransportError as exc:
+                    seen[backend] = type(exc)
+                finally:
+                    served.cancel()
+    assert seen == {"slabnet": (1000, True), "default": (1000, True)}
+
+
+@pytest.mark.asyncio
 async def test_wrong_ca_gives_connect_error_with_reason(
     https_server: _HTTPServer, other_ca_context: ssl.SSLContext
 ) -> None:
