@@ -404,6 +404,13 @@ class TLSEngine:
         return self._incoming.pending + len(lent) - self._lent_pos
 
     @property
+    def input_pending(self) -> bool:
+        """True if ciphertext was fed that has given no plaintext yet: bytes
+        OpenSSL has not consumed, or the start of a record that it has
+        consumed (an over-read) and cannot decrypt before the rest comes."""
+        return bool(self.buffered_ciphertext) or self._scanner.mid_record
+
+    @property
     def eof_received(self) -> bool:
         """True once read_chunk() has returned (or will return) clean EOF."""
         return self._read_final is _EOF

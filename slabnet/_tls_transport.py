@@ -348,6 +348,14 @@ class TLSTransport(WriteGate):
             # Records that arrived before the pause are delivered first.
             self._loop.call_soon(self._pump)
 
+    def has_pending_input(self) -> bool:
+        """True if ciphertext has arrived that was not delivered as plaintext
+        yet (``TLSEngine.input_pending``): the start of a record waiting for
+        the rest, or records left while reading is paused. The peer of an
+        idle connection that holds any has sent something."""
+        engine = self._engine
+        return engine is not None and engine.input_pending
+
     # ------------------------------------------------ writing
 
     def write(self, data: Any) -> WriteRequest | None:  # type: ignore[override]

@@ -33,7 +33,7 @@ import slabnet
 from slabnet.contrib.httpcore import SlabnetBackend, SlabnetStream
 from slabnet.contrib.httpx import AsyncSlabnetTransport
 
-from conftest import hard_close
+from conftest import RawTLS, hard_close, wait_acked
 
 BACKENDS = ("slabnet", "default")
 WAIT = 10.0  # seconds: the bound on every test's waits
@@ -271,6 +271,68 @@ async def test_keepalive_connection_ended_by_close_notify_alone_is_replaced(
     assert https_server.accepted == 2
 
 
+async def _tls_peer(listener: socket.socket, ctx: ssl.SSLContext) -> RawTLS:
+    """Accept one connection on ``listener`` and be its TLS server."""
+    peer, _ = await asyncio.get_running_loop().sock_accept(listener)
+    tls = RawTLS(peer, ctx, server_side=True)
+    await tls.handshake()
+    return tls
+
+
+async def _answer_one(tls: RawTLS, body: bytes = b"ok") -> None:
+    """Read one request head, byte by byte, and answer it (keep-alive)."""
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        head += await tls.recv_plain(1)
+    await tls.send(tls.seal(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body))
+
+
+@pytest.mark.asyncio
+async def test_keepalive_connection_holding_a_partial_tls_record_is_replaced(
+    listener: socket.socket, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    """The server sends the first bytes of a TLS record on an idle keep-alive
+    connection (a record that never completes: junk, or an alert cut in
+    flight). httpx's default backend finds them in the socket and drops the
+    connection; slabnet read them into its TLS layer, where they made no
+    plaintext, and used to reuse the connection: the next request waited for
+    an answer that never came (ReadTimeout)."""
+    port = listener.getsockname()[1]
+    url = f"https://127.0.0.1:{port}/"
+    seen: dict[str, object] = {}
+    peers: list[RawTLS] = []
+
+    async def serve(body: bytes) -> None:
+        peers.append(await _tls_peer(listener, tls_server_context))
+        await _answer_one(peers[-1], body)
+
+    try:
+        async with asyncio.timeout(WAIT):
+            for backend in BACKENDS:
+                async with client(backend, tls_client_context,
+                                  timeout=httpx.Timeout(WAIT, read=1.0)) as c:
+                    first, _ = await asyncio.gather(c.get(url), serve(b"ok"))
+                    assert first.content == b"ok"
+                    old = peers[-1]
+                    await old.send(old.seal(b"x" * 100)[:4])  # the start of a record
+                    await wait_acked(old.sock)  # in the client's kernel (or read)
+                    sock = first.extensions["network_stream"].get_extra_info("socket")
+                    while backend == "slabnet" and _socket_has_data(sock):
+                        await asyncio.sleep(0.001)  # slabnet's loop has read them
+                    server = asyncio.ensure_future(serve(b"new"))
+                    try:
+                        seen[backend] = (await c.get(url)).content
+                    except httpx.TransportError as exc:
+                        seen[backend] = type(exc)
+                    finally:
+                        server.cancel()
+    finally:
+        for peer in peers:
+            peer.sock.close()
+    assert seen == {"slabnet": b"new", "default": b"new"}
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -320,6 +382,54 @@ async def test_close_mid_body_gives_remote_protocol_error(
     assert seen["slabnet"] == seen["default"]
     assert seen["slabnet"][0] is httpx.RemoteProtocolError
     assert seen["slabnet"][2] == _HTTPServer.PARTIAL
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("ending", ["close_notify", "ragged"])
+async def test_close_delimited_body_ended_then_reset_is_whole(
+    listener: socket.socket, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext, ending: str,
+) -> None:
+    """A body delimited by the end of the connection: the server ends it
+    (close_notify and FIN, or a FIN alone), then resets the connection, as
+    one does that closes with bytes unread (say our close_notify). The EOF
+    came first, so the body is whole, on both backends. slabnet's reader
+    used to hold the later error (a broken pipe: our close_notify) beside
+    the EOF, and the last read raised it: ReadError."""
+    url = f"https://127.0.0.1:{listener.getsockname()[1]}/"
+    body = payload(1000)
+
+    async def serve() -> None:
+        peer = await _tls_peer(listener, tls_server_context)
+        try:
+            head = b""
+            while not head.endswith(b"\r\n\r\n"):
+                head += await peer.recv_plain(1)
+            wire = peer.seal(b"HTTP/1.1 200 OK\r\n\r\n" + body)
+            if ending == "close_notify":
+                wire += peer.close_notify()
+            await peer.send(wire)
+            peer.sock.shutdown(socket.SHUT_WR)
+        finally:
+            hard_close(peer.sock)
+
+    seen = {}
+    async with asyncio.timeout(WAIT):
+        for backend in BACKENDS:
+            async with client(backend, tls_client_context) as c:
+                served = asyncio.ensure_future(serve())
+                try:
+                    async with c.stream("GET", url) as r:
+                        await served
+                        sock = r.extensions["network_stream"].get_extra_info("socket")
+                        while backend == "slabnet" and sock.fileno() != -1:
+                            await asyncio.sleep(0.001)  # the reset has come
+                        seen[backend] = len(await r.aread()), r.content == body
+                except httpx.TransportError as exc:
+                    seen[backend] = type(exc)
+                finally:
+                    served.cancel()
+    assert seen == {"slabnet": (1000, True), "default": (1000, True)}
 
 
 @pytest.mark.asyncio
@@ -546,6 +656,36 @@ async def test_is_readable(listener: socket.socket) -> None:
             assert stream.get_extra_info("is_readable") is True
         finally:
             await stream.aclose()
+
+
+@pytest.mark.asyncio
+async def test_is_readable_with_a_partial_tls_record(
+    listener: socket.socket, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    """An idle TLS connection on which the start of a record arrived: the
+    bytes left the socket for slabnet's TLS layer, made no plaintext yet,
+    and the connection is readable (the pool must drop it)."""
+    backend = SlabnetBackend()
+    async with asyncio.timeout(WAIT):
+        stream = await backend.connect_tcp("127.0.0.1", listener.getsockname()[1])
+        try:
+            peer, (stream, _) = await asyncio.gather(
+                _tls_peer(listener, tls_server_context),
+                asyncio.gather(stream.start_tls(tls_client_context, "127.0.0.1", WAIT),
+                               asyncio.sleep(0)),
+            )
+            await asyncio.sleep(0.01)  # (TLS 1.3: the session tickets, read)
+            assert stream.get_extra_info("is_readable") is False
+            await peer.send(peer.seal(b"x" * 100)[:4])
+            await wait_acked(peer.sock)
+            sock = stream.get_extra_info("socket")
+            while _socket_has_data(sock):
+                await asyncio.sleep(0.001)  # the loop reads them
+            assert stream.get_extra_info("is_readable") is True
+        finally:
+            await stream.aclose()
+            peer.sock.close()
 
 
 def _socket_has_data(sock: Any) -> bool:

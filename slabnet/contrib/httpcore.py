@@ -21,6 +21,14 @@ decryption's), the fewest a ``bytes`` result allows.
 per call, so a TLS download (16 KiB chunks) would take up to four calls
 where ``read`` takes one.
 
+The server's EOF ends the stream for good: a read after it returns
+``b""`` even if the connection failed later. The reader holds both then and
+raises the error first, as asyncio's does; but the kernel reports EOF for a
+FIN that came before a reset (so does httpcore's anyio backend), and a
+server that ends a body delimited by the connection's end often resets
+next: it closes with bytes unread, and our close_notify, sent in answer to
+its own, is refused (a broken pipe).
+
 Timeouts. httpx passes a timeout to every call (5 s unless told). A read
 that finds bytes, EOF or an error already buffered returns without waiting,
 so it starts no timer; only a read that waits runs under ``asyncio.timeout``
@@ -43,7 +51,10 @@ it is readable: if it is, the server has closed or reset it or sent bytes
 nobody asked for, and the pool drops it. slabnet reads ahead, so what the
 server sent is usually in the reader already (bytes, EOF, the error); what
 the loop has not read yet is still in the socket, where a zero-timeout poll
-sees it (the check httpcore's own backends make). Either answers true.
+sees it (the check httpcore's own backends make). Either answers true. Over
+TLS, bytes can also have left the socket without making plaintext yet (the
+start of a record that never completes): the TLS layer holding them answers
+true too.
 
 Closing. ``aclose`` sends TLS close_notify (and FIN) if the socket takes it
 at once, then closes the socket without waiting for the server's
@@ -113,6 +124,8 @@ class SlabnetStream(httpcore.AsyncNetworkStream):
         try:
             return await reader.read(max_bytes)
         except OSError as exc:
+            if self._ended():
+                return b""
             raise httpcore.ReadError(exc) from exc
 
     async def _read_waiting(self, max_bytes: int, timeout: float) -> bytes:
@@ -121,9 +134,17 @@ class SlabnetStream(httpcore.AsyncNetworkStream):
             async with deadline:
                 return await self._reader.read(max_bytes)
         except OSError as exc:  # TimeoutError included
+            if self._ended():
+                return b""
             if deadline.expired():
                 raise httpcore.ReadTimeout(exc) from exc
             raise httpcore.ReadError(exc) from exc
+
+    def _ended(self) -> bool:
+        """The server's EOF came, every byte before it was read, and we have
+        not closed the stream: the server is done, whatever failed after
+        (see "Reads" in the module docstring)."""
+        return self._reader.at_eof() and not self._closed
 
     async def write(self, buffer: bytes, timeout: float | None = None) -> None:
         if not buffer:
@@ -198,11 +219,13 @@ class SlabnetStream(httpcore.AsyncNetworkStream):
 
     def _is_readable(self) -> bool:
         reader = self._reader
+        transport = self._writer.transport
         if (
             _buffered(reader)
             or reader.at_eof()
             or reader.exception() is not None
-            or self._writer.is_closing()
+            or transport.is_closing()
+            or (isinstance(transport, slabnet.TLSTransport) and transport.has_pending_input())
         ):
             return True
         return _socket_readable(self._writer.get_extra_info("socket"))
