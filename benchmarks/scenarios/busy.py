@@ -225,6 +225,7 @@ class _Run:
         self.meter = Meter()
         self.uncounted = -1  # bytes of the piece that started the meter
         self.left = n
+        self.pieces = 0  # pieces the application got, over all connections
 
     def first_piece(self, n: int) -> None:
         if self.uncounted < 0:
@@ -245,8 +246,9 @@ def _finished(pos: int, want: int) -> None:
 
 
 async def _read_chunks(reader: Any, want: int, shift: int, run: _Run) -> None:
-    pos = nxt = 0
+    pos = nxt = pieces = 0
     async for chunk in reader.chunks():
+        pieces += 1
         end = pos + len(chunk)
         if end > nxt:
             nxt = _check(chunk, pos, nxt, shift)
@@ -255,23 +257,26 @@ async def _read_chunks(reader: Any, want: int, shift: int, run: _Run) -> None:
         pos = end
         if pos >= want:
             break
+    run.pieces += pieces
     _finished(pos, want)
     run.connection_done()
 
 
 async def _read_n(reader: Any, want: int, shift: int, run: _Run, readsize: int) -> None:
-    pos = nxt = 0
+    pos = nxt = pieces = 0
     read = reader.read
     while pos < want:
         data = await read(readsize)
         if not data:
             break
+        pieces += 1
         end = pos + len(data)
         if end > nxt:
             nxt = _check(data, pos, nxt, shift)
         if not pos:
             run.first_piece(end)
         pos = end
+    run.pieces += pieces
     _finished(pos, want)
     run.connection_done()
 
@@ -293,6 +298,7 @@ class _CheckingProtocol(asyncio.Protocol):
         self.shift = shift_of(transport.get_extra_info("sockname")[1])
 
     def data_received(self, data: bytes) -> None:
+        self.run.pieces += 1
         pos = self.pos
         end = pos + len(data)
         try:
@@ -409,6 +415,7 @@ async def client(ctx: ClientContext) -> dict[str, Any]:
         finally:
             await asyncio.gather(*(close_writer(writer) for _, writer in conns))
     result: dict[str, Any] = run.meter.result(want * n - run.uncounted)
+    result["pieces"] = run.pieces
     if ctx.impl.is_slabnet:
         stats = import_slabnet().memory_stats()
         result["slabs_allocated"] = stats.slabs_allocated
@@ -434,6 +441,7 @@ SCENARIO = Scenario(
     server=serve,
     metrics=(
         MIBPS, CPU_PER_GIB, PEAK_RSS,
+        Metric("pieces", "pieces", "lower", "{:.0f}"),
         Metric("slabs_allocated", "slabs allocated", "lower", "{:.0f}"),
         Metric("reads", "slabnet reads", "lower", "{:.0f}"),
     ),
