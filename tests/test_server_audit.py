@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from typing import Any
 
 import pytest
 
 import slabnet
-from conftest import fds_settle, open_fds
+from conftest import RawTLS, client_ctx, fds_settle, open_fds, server_ctx
+
+TLS12 = ssl.TLSVersion.TLSv1_2
+TLS13 = ssl.TLSVersion.TLSv1_3
+VERSIONS = pytest.mark.parametrize("version", [TLS12, TLS13], ids=["tls12", "tls13"])
 
 WAKE = 5.0  # seconds any waiter may take to wake after a fault
 
@@ -106,6 +111,73 @@ async def test_chunk_received_raising_on_held_bytes_ends_the_connection() -> Non
     finally:
         sock.close()
         loop.set_exception_handler(None)
+        server.close()
+        await server.wait_closed()
+    assert await fds_settle(baseline) <= baseline
+
+
+# ---------------------------------------------------------------- TLS shutdown
+
+
+async def read_to_close_notify(tls: RawTLS, timeout: float = WAKE) -> bytes:
+    """Plaintext until the peer's close_notify (which must come)."""
+    got = bytearray()
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                got += tls.obj.read(65536)
+            except ssl.SSLWantReadError:
+                await tls._pull()
+            except ssl.SSLZeroReturnError:
+                return bytes(got)
+
+
+@VERSIONS
+@pytest.mark.asyncio
+async def test_data_after_the_servers_close_does_not_stall_its_shutdown(
+    server_cert: Any, tls_ca: Any, version: ssl.TLSVersion
+) -> None:
+    # A server answers (413, say) and closes while its client is still
+    # uploading; the client's close_notify comes behind the rest of the
+    # upload. The server must read on to that close_notify and drop the
+    # data (past what was on its way), as asyncio's does. It delivered all
+    # of it to a reader nobody reads any more, which paused reading past
+    # its limit: the close_notify was never read, and every such connection
+    # was held (socket, buffers) until the shutdown timeout, 30 s by
+    # default, then ended with ShutdownTimeoutError.
+    loop = asyncio.get_running_loop()
+    closed: asyncio.Future[BaseException | None] = loop.create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        await reader.readline()
+        writer.write(b"413 too large\n")
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except Exception as exc:
+            closed.set_result(exc)
+        else:
+            closed.set_result(None)
+
+    server = await slabnet.start_server(
+        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert, version),
+        ssl_shutdown_timeout=60.0,
+    )
+    baseline = open_fds()
+    sock = socket.create_connection(server.sockets[0].getsockname())
+    try:
+        tls = RawTLS(sock, client_ctx(tls_ca, version), server_side=False,
+                     server_hostname="localhost")
+        await tls.handshake()
+        # Far more than the reader holds before it pauses (2 x 64 KiB) and
+        # than is still delivered after close() (AFTER_CLOSE_MAX).
+        wire = tls.seal(b"POST\n", *[b"u" * 16384] * 128) + tls.close_notify()
+        upload = asyncio.create_task(tls.send(wire))
+        assert await read_to_close_notify(tls) == b"413 too large\n"
+        assert await asyncio.wait_for(closed, WAKE) is None
+        await asyncio.wait_for(upload, WAKE)
+    finally:
+        sock.close()
         server.close()
         await server.wait_closed()
     assert await fds_settle(baseline) <= baseline
