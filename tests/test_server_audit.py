@@ -9,8 +9,12 @@ is reported once (or not at all, for a client's fault), nothing is leaked.
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import ssl
+import sys
+import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -181,3 +185,150 @@ async def test_data_after_the_servers_close_does_not_stall_its_shutdown(
         server.close()
         await server.wait_closed()
     assert await fds_settle(baseline) <= baseline
+
+
+# ---------------------------------------------------------------- accept path
+
+# A server in a process of its own (the test process keeps its descriptors)
+# whose RLIMIT_NOFILE leaves it a few descriptors once it listens. It echoes
+# each connection until EOF, prints its port, and prints EMFILE when the
+# loop reports an accept that failed for want of a descriptor.
+_LIMITED_SERVER = textwrap.dedent("""
+    import asyncio, os, resource, ssl, sys
+    import slabnet
+
+    loop_name, certfile = sys.argv[1], sys.argv[2]
+
+    async def handle(reader, writer):
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        writer.close()
+
+    def report(loop, context):
+        print("EMFILE" if "out of system resource" in context["message"]
+              else "ERROR " + context["message"], flush=True)
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(report)
+        ctx = None
+        if certfile:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(certfile)
+        server = await slabnet.start_server(handle, "127.0.0.1", 0, ssl=ctx)
+        # The lowest limit that leaves 6 descriptors free below it (the
+        # open ones need not be contiguous: some may be inherited).
+        used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+        limit, free = 0, 0
+        while free < 6:
+            free += limit not in used
+            limit += 1
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.sleep(3600)
+
+    if loop_name == "uvloop":
+        import uvloop
+        loop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.SelectorEventLoop()
+    loop.run_until_complete(main())
+""")
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_server_serves_again_once_descriptors_free_up(
+    loop_name: str, server_cert: Any, tls_ca: Any, tmp_path: Path, tls: bool
+) -> None:
+    # Clients arrive faster than the server has descriptors: accept() fails
+    # with EMFILE (asyncio's loop reports it and retries a second later;
+    # libuv accepts and closes the extra ones). Once the clients leave, the
+    # server must serve new ones, as asyncio's own server does.
+    certfile = ""
+    if tls:
+        certfile = str(tmp_path / "server.pem")
+        server_cert.private_key_and_cert_chain_pem.write_to_path(certfile)
+    env = dict(os.environ, PYTHONPATH=str(Path(slabnet.__file__).parent.parent))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _LIMITED_SERVER, loop_name, certfile,
+        stdout=asyncio.subprocess.PIPE, env=env,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    emfile = asyncio.Event()
+
+    async def follow(first: asyncio.Future[int]) -> None:
+        assert proc.stdout is not None
+        while line := (await proc.stdout.readline()).decode().strip():
+            lines.append(line)
+            if not first.done():
+                first.set_result(int(line))
+            elif line == "EMFILE":
+                emfile.set()
+
+    loop = asyncio.get_running_loop()
+    first: asyncio.Future[int] = loop.create_future()
+    follower = asyncio.create_task(follow(first))
+    writers: list[asyncio.StreamWriter] = []
+    closed_unserved = asyncio.Event()
+
+    async def client(port: int, timeout: float) -> bool:
+        """True once served (the echo came back); False if the server closed
+        the connection first (libuv's way out of EMFILE)."""
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                "127.0.0.1", port, ssl=client_ctx(tls_ca) if tls else None,
+                server_hostname="localhost" if tls else None,
+            ), timeout)
+        except (ConnectionError, ssl.SSLError):
+            closed_unserved.set()
+            return False
+        writers.append(writer)
+        writer.write(b"ping")
+        try:
+            echo = await asyncio.wait_for(reader.read(4), timeout)
+        except (ConnectionError, ssl.SSLError):
+            echo = b""
+        if echo != b"ping":
+            closed_unserved.set()
+        return echo == b"ping"
+
+    try:
+        port = await asyncio.wait_for(first, 3 * WAKE)
+        # Five times the descriptors the server has left: EMFILE is certain.
+        flood = [asyncio.create_task(client(port, 4 * WAKE)) for _ in range(30)]
+        async with asyncio.timeout(2 * WAKE):
+            # asyncio's loop reports the failed accept; uvloop closes the
+            # connections it cannot keep.
+            await asyncio.wait(
+                [asyncio.create_task(emfile.wait()), asyncio.create_task(closed_unserved.wait())],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+        for writer in writers:
+            writer.close()
+        writers.clear()
+        # The descriptors come free as the server sees its clients go; a
+        # client that comes before that may be closed unserved (libuv), but
+        # the server keeps accepting: a new client is served.
+        served = False
+        async with asyncio.timeout(4 * WAKE):
+            while not (served := await client(port, 4 * WAKE)):
+                await asyncio.sleep(0.05)
+        assert served, lines
+        assert proc.returncode is None, lines
+        assert not [line for line in lines if line.startswith("ERROR")], lines
+    finally:
+        for writer in writers:
+            writer.close()
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
