@@ -1022,7 +1022,18 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if self._paused or held is None or self._transport is None:
             return  # paused again meanwhile, or gone (connection_lost delivers)
         self._held = None
-        self._deliver(held)
+        try:
+            self._deliver(held)
+        except Exception as exc:
+            # As the loops do for a chunk they deliver (buffer_updated):
+            # report the app's bug once and end the connection with it.
+            # Escaping from this callback, it left the socket paused for good.
+            self.loop.call_exception_handler({
+                "message": "slabnet: protocol.chunk_received() failed",
+                "exception": exc, "protocol": self.upper, "transport": self._transport,
+            })
+            self._fail(exc)
+            return
         if not self._paused and self._socket_paused:
             self._resume_socket()
 

@@ -1,0 +1,334 @@
+"""The server side against hostile and broken clients (server audit), on
+real loopback sockets, on both loops.
+
+Each test bounds every wait, so a hang fails fast, and checks what asyncio's
+own server does in the same case, or better: the connection ends, the error
+is reported once (or not at all, for a client's fault), nothing is leaked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import ssl
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import slabnet
+from conftest import RawTLS, client_ctx, fds_settle, open_fds, server_ctx
+
+TLS12 = ssl.TLSVersion.TLSv1_2
+TLS13 = ssl.TLSVersion.TLSv1_3
+VERSIONS = pytest.mark.parametrize("version", [TLS12, TLS13], ids=["tls12", "tls13"])
+
+WAKE = 5.0  # seconds any waiter may take to wake after a fault
+
+
+class Handler:
+    """Collects what the loop's exception handler is given."""
+
+    def __init__(self) -> None:
+        self.contexts: list[dict[str, Any]] = []
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        self.contexts.append(context)
+
+    def exceptions(self) -> list[BaseException | None]:
+        return [c.get("exception") for c in self.contexts]
+
+
+class Boom(Exception):
+    pass
+
+
+async def recv_until_closed(sock: socket.socket, timeout: float = WAKE) -> tuple[bytes, str]:
+    """Read until EOF or reset; return (bytes read, "eof" or "reset")."""
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                data = await loop.sock_recv(sock, 65536)
+            except ConnectionResetError:
+                return bytes(got), "reset"
+            if not data:
+                return bytes(got), "eof"
+            got += data
+
+
+# ---------------------------------------------------------------- app errors
+
+
+@pytest.mark.asyncio
+async def test_chunk_received_raising_on_held_bytes_ends_the_connection() -> None:
+    # An app that pauses reading as it is made gets the bytes read while it
+    # was paused (held, at most 1 KiB) from a callback once it resumes. If
+    # its chunk_received raises there, the loop reports the error as it
+    # does for a chunk it delivers itself, and the connection must end with
+    # it, as then: it stayed open with its socket paused, never read again
+    # nor closed, and connection_lost was never called.
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    made: asyncio.Future[slabnet.SlabProtocol] = loop.create_future()
+    lost: asyncio.Future[BaseException | None] = loop.create_future()
+
+    class App(slabnet.ChunkProtocol):
+        def connection_made(self, transport: Any) -> None:
+            transport.pause_reading()
+
+        def chunk_received(self, chunk: memoryview) -> None:
+            raise Boom("chunk_received")
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            lost.set_result(exc)
+
+    def factory() -> slabnet.SlabProtocol:
+        proto = slabnet.SlabProtocol(App(), loop=loop)
+        made.set_result(proto)
+        return proto
+
+    server = await loop.create_server(factory, "127.0.0.1", 0)
+    baseline = open_fds()
+    sock = socket.create_connection(server.sockets[0].getsockname())
+    try:
+        sock.setblocking(False)
+        await loop.sock_sendall(sock, b"hello")
+        proto = await asyncio.wait_for(made, WAKE)
+        async with asyncio.timeout(WAKE):  # the paused read took the bytes
+            while proto._held is None:
+                await asyncio.sleep(0.005)
+        transport = proto._transport
+        assert transport is not None
+        transport.resume_reading()
+        exc = await asyncio.wait_for(lost, WAKE)
+        got, _ = await recv_until_closed(sock)
+        assert isinstance(exc, Boom), repr(exc)
+        assert got == b""
+        errors = handler.exceptions()
+        assert len(errors) == 1 and isinstance(errors[0], Boom), handler.contexts
+    finally:
+        sock.close()
+        loop.set_exception_handler(None)
+        server.close()
+        await server.wait_closed()
+    assert await fds_settle(baseline) <= baseline
+
+
+# ---------------------------------------------------------------- TLS shutdown
+
+
+async def read_to_close_notify(tls: RawTLS, timeout: float = WAKE) -> bytes:
+    """Plaintext until the peer's close_notify (which must come)."""
+    got = bytearray()
+    async with asyncio.timeout(timeout):
+        while True:
+            try:
+                got += tls.obj.read(65536)
+            except ssl.SSLWantReadError:
+                await tls._pull()
+            except ssl.SSLZeroReturnError:
+                return bytes(got)
+
+
+@VERSIONS
+@pytest.mark.asyncio
+async def test_data_after_the_servers_close_does_not_stall_its_shutdown(
+    server_cert: Any, tls_ca: Any, version: ssl.TLSVersion
+) -> None:
+    # A server answers (413, say) and closes while its client is still
+    # uploading; the client's close_notify comes behind the rest of the
+    # upload. The server must read on to that close_notify and drop the
+    # data (past what was on its way), as asyncio's does. It delivered all
+    # of it to a reader nobody reads any more, which paused reading past
+    # its limit: the close_notify was never read, and every such connection
+    # was held (socket, buffers) until the shutdown timeout, 30 s by
+    # default, then ended with ShutdownTimeoutError.
+    loop = asyncio.get_running_loop()
+    closed: asyncio.Future[BaseException | None] = loop.create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        await reader.readline()
+        writer.write(b"413 too large\n")
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except Exception as exc:
+            closed.set_result(exc)
+        else:
+            closed.set_result(None)
+
+    server = await slabnet.start_server(
+        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert, version),
+        ssl_shutdown_timeout=60.0,
+    )
+    baseline = open_fds()
+    sock = socket.create_connection(server.sockets[0].getsockname())
+    try:
+        tls = RawTLS(sock, client_ctx(tls_ca, version), server_side=False,
+                     server_hostname="localhost")
+        await tls.handshake()
+        # Far more than the reader holds before it pauses (2 x 64 KiB) and
+        # than is still delivered after close() (AFTER_CLOSE_MAX).
+        wire = tls.seal(b"POST\n", *[b"u" * 16384] * 128) + tls.close_notify()
+        upload = asyncio.create_task(tls.send(wire))
+        assert await read_to_close_notify(tls) == b"413 too large\n"
+        assert await asyncio.wait_for(closed, WAKE) is None
+        await asyncio.wait_for(upload, WAKE)
+    finally:
+        sock.close()
+        server.close()
+        await server.wait_closed()
+    assert await fds_settle(baseline) <= baseline
+
+
+# ---------------------------------------------------------------- accept path
+
+# A server in a process of its own (the test process keeps its descriptors)
+# whose RLIMIT_NOFILE leaves it a few descriptors once it listens. It echoes
+# each connection until EOF, prints its port, and prints EMFILE when the
+# loop reports an accept that failed for want of a descriptor.
+_LIMITED_SERVER = textwrap.dedent("""
+    import asyncio, os, resource, ssl, sys
+    import slabnet
+
+    loop_name, certfile = sys.argv[1], sys.argv[2]
+
+    async def handle(reader, writer):
+        try:
+            while data := await reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        writer.close()
+
+    def report(loop, context):
+        print("EMFILE" if "out of system resource" in context["message"]
+              else "ERROR " + context["message"], flush=True)
+
+    async def main():
+        asyncio.get_running_loop().set_exception_handler(report)
+        ctx = None
+        if certfile:
+            ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            ctx.load_cert_chain(certfile)
+        server = await slabnet.start_server(handle, "127.0.0.1", 0, ssl=ctx)
+        # The lowest limit that leaves 6 descriptors free below it (the
+        # open ones need not be contiguous: some may be inherited).
+        used = {int(fd) for fd in os.listdir("/proc/self/fd")}
+        limit, free = 0, 0
+        while free < 6:
+            free += limit not in used
+            limit += 1
+        resource.setrlimit(resource.RLIMIT_NOFILE, (limit, limit))
+        print(server.sockets[0].getsockname()[1], flush=True)
+        await asyncio.sleep(3600)
+
+    if loop_name == "uvloop":
+        import uvloop
+        loop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.SelectorEventLoop()
+    loop.run_until_complete(main())
+""")
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_server_serves_again_once_descriptors_free_up(
+    loop_name: str, server_cert: Any, tls_ca: Any, tmp_path: Path, tls: bool
+) -> None:
+    # Clients arrive faster than the server has descriptors: accept() fails
+    # with EMFILE (asyncio's loop reports it and retries a second later;
+    # libuv accepts and closes the extra ones). Once the clients leave, the
+    # server must serve new ones, as asyncio's own server does.
+    certfile = ""
+    if tls:
+        certfile = str(tmp_path / "server.pem")
+        server_cert.private_key_and_cert_chain_pem.write_to_path(certfile)
+    env = dict(os.environ, PYTHONPATH=str(Path(slabnet.__file__).parent.parent))
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _LIMITED_SERVER, loop_name, certfile,
+        stdout=asyncio.subprocess.PIPE, env=env,
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    emfile = asyncio.Event()
+
+    async def follow(first: asyncio.Future[int]) -> None:
+        assert proc.stdout is not None
+        while line := (await proc.stdout.readline()).decode().strip():
+            lines.append(line)
+            if not first.done():
+                first.set_result(int(line))
+            elif line == "EMFILE":
+                emfile.set()
+
+    loop = asyncio.get_running_loop()
+    first: asyncio.Future[int] = loop.create_future()
+    follower = asyncio.create_task(follow(first))
+    writers: list[asyncio.StreamWriter] = []
+    closed_unserved = asyncio.Event()
+
+    async def client(port: int, timeout: float) -> bool:
+        """True once served (the echo came back); False if the server closed
+        the connection first (libuv's way out of EMFILE)."""
+        try:
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(
+                "127.0.0.1", port, ssl=client_ctx(tls_ca) if tls else None,
+                server_hostname="localhost" if tls else None,
+            ), timeout)
+        except (ConnectionError, ssl.SSLError):
+            closed_unserved.set()
+            return False
+        writers.append(writer)
+        writer.write(b"ping")
+        try:
+            echo = await asyncio.wait_for(reader.read(4), timeout)
+        except (ConnectionError, ssl.SSLError):
+            echo = b""
+        if echo != b"ping":
+            closed_unserved.set()
+        return echo == b"ping"
+
+    try:
+        port = await asyncio.wait_for(first, 3 * WAKE)
+        # Five times the descriptors the server has left: EMFILE is certain.
+        flood = [asyncio.create_task(client(port, 4 * WAKE)) for _ in range(30)]
+        async with asyncio.timeout(2 * WAKE):
+            # asyncio's loop reports the failed accept; uvloop closes the
+            # connections it cannot keep.
+            await asyncio.wait(
+                [asyncio.create_task(emfile.wait()), asyncio.create_task(closed_unserved.wait())],
+                return_when=asyncio.FIRST_COMPLETED,
+            )
+        for task in flood:
+            task.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
+        for writer in writers:
+            writer.close()
+        writers.clear()
+        # The descriptors come free as the server sees its clients go; a
+        # client that comes before that may be closed unserved (libuv), but
+        # the server keeps accepting: a new client is served.
+        served = False
+        async with asyncio.timeout(4 * WAKE):
+            while not (served := await client(port, 4 * WAKE)):
+                await asyncio.sleep(0.05)
+        assert served, lines
+        assert proc.returncode is None, lines
+        assert not [line for line in lines if line.startswith("ERROR")], lines
+    finally:
+        for writer in writers:
+            writer.close()
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
