@@ -306,3 +306,21 @@ def client_ctx(ca: Any, version: ssl.TLSVersion | None = None) -> ssl.SSLContext
     if version is not None:
         ctx.minimum_version = ctx.maximum_version = version
     return ctx
+
+
+class Handler:
+    """Collects what the loop's exception handler is given (install it
+    with ``loop.set_exception_handler``)."""
+
+    def __init__(self) -> None:
+        self.contexts: list[dict[str, Any]] = []
+
+    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        self.contexts.append(context)
+
+    def exceptions(self) -> list[BaseException | None]:
+        return [c.get("exception") for c in self.contexts]
+
+
+class Boom(Exception):
+    """The app's own bug, raised from a callback."""

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import RawTLS, client_ctx, fds_settle, hard_close, open_fds, server_ctx
+from conftest import Boom, Handler, RawTLS, client_ctx, fds_settle, hard_close, open_fds, server_ctx
 
 WAKE = 3.0  # seconds any waiter may take to wake after a fault
 
@@ -54,23 +54,6 @@ async def recv_exactly(sock: socket.socket, n: int, timeout: float = WAKE) -> by
             assert data, f"EOF after {len(got)} of {n} bytes"
             got += data
     return bytes(got)
-
-
-class Handler:
-    """Collects what the loop's exception handler is given."""
-
-    def __init__(self) -> None:
-        self.contexts: list[dict[str, Any]] = []
-
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        self.contexts.append(context)
-
-    def exceptions(self) -> list[BaseException | None]:
-        return [c.get("exception") for c in self.contexts]
-
-
-class Boom(Exception):
-    pass
 
 
 class App(slabnet.ChunkProtocol):

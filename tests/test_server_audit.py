@@ -20,30 +20,13 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import RawTLS, client_ctx, fds_settle, open_fds, server_ctx
+from conftest import Boom, Handler, RawTLS, client_ctx, fds_settle, open_fds, server_ctx
 
 TLS12 = ssl.TLSVersion.TLSv1_2
 TLS13 = ssl.TLSVersion.TLSv1_3
 VERSIONS = pytest.mark.parametrize("version", [TLS12, TLS13], ids=["tls12", "tls13"])
 
 WAKE = 5.0  # seconds any waiter may take to wake after a fault
-
-
-class Handler:
-    """Collects what the loop's exception handler is given."""
-
-    def __init__(self) -> None:
-        self.contexts: list[dict[str, Any]] = []
-
-    def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
-        self.contexts.append(context)
-
-    def exceptions(self) -> list[BaseException | None]:
-        return [c.get("exception") for c in self.contexts]
-
-
-class Boom(Exception):
-    pass
 
 
 async def recv_until_closed(sock: socket.socket, timeout: float = WAKE) -> tuple[bytes, str]:
