@@ -892,11 +892,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         try:
             self.upper.connection_made(tr)
         except Exception as exc:
-            self.loop.call_exception_handler({
-                "message": "slabnet: protocol.connection_made() failed",
-                "exception": exc, "protocol": self.upper, "transport": tr,
-            })
-            self._fail(exc)
+            self._app_failed(exc, "connection_made")
             return
         waiter = self._waiter
         if self._ready_when_made and waiter is not None and not waiter.done():
@@ -1025,14 +1021,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
         try:
             self._deliver(held)
         except Exception as exc:
-            # As the loops do for a chunk they deliver (buffer_updated):
-            # report the app's bug once and end the connection with it.
+            # As the loops do for a chunk they deliver (buffer_updated).
             # Escaping from this callback, it left the socket paused for good.
-            self.loop.call_exception_handler({
-                "message": "slabnet: protocol.chunk_received() failed",
-                "exception": exc, "protocol": self.upper, "transport": self._transport,
-            })
-            self._fail(exc)
+            self._app_failed(exc, "chunk_received")
             return
         if not self._paused and self._socket_paused:
             self._resume_socket()
@@ -1075,6 +1066,15 @@ class SlabProtocol(asyncio.BufferedProtocol):
             })
         assert self._raw is not None
         self._raw.abort()
+
+    def _app_failed(self, exc: Exception, name: str) -> None:
+        """The upper protocol's ``name`` callback, called by us, raised: an
+        application bug, reported once; the connection ends with it."""
+        self.loop.call_exception_handler({
+            "message": f"slabnet: protocol.{name}() failed",
+            "exception": exc, "protocol": self.upper, "transport": self._transport,
+        })
+        self._fail(exc)
 
     def _fail(self, exc: BaseException) -> None:
         waiter = self._waiter
