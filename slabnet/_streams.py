@@ -233,31 +233,45 @@ class StreamReader:
             self._paused = False
             self._transport.resume_reading()  # type: ignore[union-attr]
 
-    async def _wait_for_data(self, func_name: str) -> None:
+    def _new_waiter(self, func_name: str) -> asyncio.Future[None]:
+        """The future the next chunk, EOF or error completes; the caller
+        awaits it and then sets ``_waiter`` to None, whatever happened."""
         if self._waiter is not None:
             raise RuntimeError(
                 f"{func_name}() called while another coroutine is "
                 f"already waiting for incoming data"
             )
-        assert not self._eof, "_wait_for_data after EOF"
+        assert not self._eof, "waiting for data after EOF"
         if self._paused:
             self._paused = False
             self._transport.resume_reading()  # type: ignore[union-attr]
-        self._waiter = self._loop.create_future()
+        waiter = self._waiter = self._loop.create_future()
+        return waiter
+
+    async def _wait_for_data(self, func_name: str) -> None:
+        waiter = self._new_waiter(func_name)
         try:
-            await self._waiter
+            await waiter
         finally:
             self._waiter = None
 
     async def _wait_for_bytes(self, func_name: str) -> bool:
         """Wait until something is buffered (True) or EOF (False); the
-        stored error is raised once nothing buffered is left before it."""
+        stored error is raised once nothing buffered is left before it.
+
+        It waits on the future itself, not through ``_wait_for_data``: a
+        reader waiting for its peer (most of a server's connections, most
+        of the time) then holds one coroutine frame fewer."""
         while not self._size:
             if self._exception is not None:
                 raise self._exception
             if self._eof:
                 return False
-            await self._wait_for_data(func_name)
+            waiter = self._new_waiter(func_name)
+            try:
+                await waiter
+            finally:
+                self._waiter = None
         return True
 
     # ------------------------------------------------ buffer primitives
@@ -547,14 +561,12 @@ class _ChunkIterator:
 
     async def __anext__(self) -> memoryview:
         reader = self._reader
-        if reader._size:
-            chunk = reader._take_chunk()
-            if reader._paused:
-                reader._maybe_resume()
-            return chunk
-        chunk = await reader.read_chunk()
-        if not chunk:
+        # (read_chunk() inlined: one coroutine frame fewer per wait.)
+        if not reader._size and not await reader._wait_for_bytes("read_chunk"):
             raise StopAsyncIteration
+        chunk = reader._take_chunk()
+        if reader._paused:
+            reader._maybe_resume()
         return chunk
 
 
@@ -719,8 +731,6 @@ class StreamWriter:
         self._protocol = protocol
         self._reader = reader
         self._loop = loop
-        self._complete_fut = loop.create_future()
-        self._complete_fut.set_result(None)
 
     def __del__(self, warnings: Any = warnings) -> None:
         # As asyncio's writer does (3.11.5 on): one dropped without close()
