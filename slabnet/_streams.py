@@ -123,15 +123,20 @@ class StreamReader:
         self._paused = False
 
     def __repr__(self) -> str:
+        # asyncio's fields, in asyncio's order.
         info = ["StreamReader"]
         if self._size:
-            info.append(f"{self._size} bytes in {len(self._chunks or ()) + bool(self._tail)} chunks")
+            info.append(f"{self._size} bytes")
         if self._eof:
             info.append("eof")
         if self._limit != _DEFAULT_LIMIT:
             info.append(f"limit={self._limit}")
+        if self._waiter:
+            info.append(f"waiter={self._waiter!r}")
         if self._exception:
             info.append(f"exception={self._exception!r}")
+        if self._transport:
+            info.append(f"transport={self._transport!r}")
         if self._paused:
             info.append("paused")
         return f"<{' '.join(info)}>"
