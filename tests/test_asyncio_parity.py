@@ -76,3 +76,25 @@ async def test_reader_repr_has_asyncio_fields(listener: socket.socket) -> None:
     finally:
         writer.close()
         peer.close()
+
+
+@pytest.mark.asyncio
+async def test_zero_byte_reads_raise_the_connections_error(listener: socket.socket) -> None:
+    # A reader whose connection was reset, with nothing buffered: asyncio's
+    # read(0) and readexactly(0) raise the error, as every other read does;
+    # slabnet's returned b"", so a framing loop that reads an empty body
+    # with readexactly(0) went on as if the connection were fine.
+    reader, writer, peer = await connect(listener)
+    try:
+        hard_close(peer)
+        async with asyncio.timeout(WAKE):
+            with pytest.raises(ConnectionResetError):
+                await reader.read(10)
+        with pytest.raises(ConnectionResetError):
+            await reader.read(0)
+        with pytest.raises(ConnectionResetError):
+            await reader.readexactly(0)
+        with pytest.raises(ValueError):  # (the argument is checked first, as asyncio)
+            await reader.readexactly(-1)
+    finally:
+        writer.close()
