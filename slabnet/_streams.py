@@ -123,15 +123,20 @@ class StreamReader:
         self._paused = False
 
     def __repr__(self) -> str:
+        # asyncio's fields, in asyncio's order.
         info = ["StreamReader"]
         if self._size:
-            info.append(f"{self._size} bytes in {len(self._chunks or ()) + bool(self._tail)} chunks")
+            info.append(f"{self._size} bytes")
         if self._eof:
             info.append("eof")
         if self._limit != _DEFAULT_LIMIT:
             info.append(f"limit={self._limit}")
+        if self._waiter:
+            info.append(f"waiter={self._waiter!r}")
         if self._exception:
             info.append(f"exception={self._exception!r}")
+        if self._transport:
+            info.append(f"transport={self._transport!r}")
         if self._paused:
             info.append("paused")
         return f"<{' '.join(info)}>"
@@ -433,8 +438,15 @@ class StreamReader:
 
     # ------------------------------------------------ asyncio API
 
+    def _raise_if_drained(self) -> None:
+        """Raise the stored error once no byte is left before it (a read
+        of 0 bytes too, as asyncio's)."""
+        if self._exception is not None and not self._size:
+            raise self._exception
+
     async def read(self, n: int = -1) -> bytes:
         if n == 0:
+            self._raise_if_drained()
             return b""
         if n < 0:
             parts: list[memoryview] = []
@@ -460,10 +472,10 @@ class StreamReader:
         if n < 0:
             raise ValueError("readexactly size can not be less than zero")
         if n == 0:
+            self._raise_if_drained()
             return b""
         while self._size < n:
-            if self._exception is not None and not self._size:
-                raise self._exception
+            self._raise_if_drained()
             if self._eof or self._exception is not None:
                 # What arrived before EOF or the error comes out as partial.
                 partial = self._take(self._size) if self._size else b""
@@ -527,8 +539,7 @@ class StreamReader:
                         "Separator is not found, and chunk exceed the limit", offset
                     )
             if self._eof or self._exception is not None:
-                if not self._size and self._exception is not None:
-                    raise self._exception
+                self._raise_if_drained()
                 chunk = self._take(self._size) if self._size else b""
                 raise asyncio.IncompleteReadError(chunk, None)
             await self._wait_for_data("readuntil")
