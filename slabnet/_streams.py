@@ -102,6 +102,10 @@ _BytesLike = bytes | bytearray | memoryview
 class StreamReader:
     """A drop-in for ``asyncio.StreamReader`` with zero-copy chunk reads."""
 
+    # What asyncio.StreamReaderProtocol reads of its reader, so that one can
+    # feed a slabnet reader (loop.connect_read_pipe, subprocess pipes).
+    _source_traceback = None
+
     def __init__(
         self, limit: int = _DEFAULT_LIMIT, loop: asyncio.AbstractEventLoop | None = None
     ) -> None:
@@ -171,8 +175,11 @@ class StreamReader:
         """asyncio-compatible: queue a copy of ``data``."""
         if self._eof:
             raise AssertionError("feed_data after feed_eof")
+        # (memoryview() first: bytes(5) would be five zero bytes, where
+        # asyncio's raises TypeError for anything not bytes-like.)
+        data = bytes(memoryview(data))
         if data:
-            self._feed_chunk(memoryview(bytes(data)))
+            self._feed_chunk(memoryview(data))
 
     def _feed_chunk(self, chunk: memoryview) -> None:
         # The hot path: the transport calls this for every chunk.

@@ -777,7 +777,13 @@ def _keep(view: memoryview) -> memoryview:
 
 
 def _as_bytes_view(data: Any) -> memoryview:
-    view = memoryview(data)
+    try:
+        view = memoryview(data)
+    except TypeError:
+        # (The default loop's words; memoryview's name the wrong function.)
+        raise TypeError(
+            f"data argument must be a bytes-like object, not {type(data).__name__!r}"
+        ) from None
     if view.itemsize != 1 or view.ndim != 1:
         view = view.cast("B")
     return view

@@ -7,14 +7,17 @@ bounds each wait, so a hang fails fast.
 
 from __future__ import annotations
 
+import array
 import asyncio
+import os
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 import slabnet
-from conftest import hard_close
+from conftest import client_ctx, hard_close, server_ctx
 
 WAKE = 5.0  # seconds any waiter may take to wake
 
@@ -98,3 +101,84 @@ async def test_zero_byte_reads_raise_the_connections_error(listener: socket.sock
             await reader.readexactly(-1)
     finally:
         writer.close()
+
+
+@pytest.mark.asyncio
+async def test_feed_data_takes_only_bytes_like_objects() -> None:
+    # asyncio's feed_data(5) raises TypeError; slabnet's made bytes(5) of
+    # it and buffered five zero bytes the peer never sent.
+    reader = slabnet.StreamReader()
+    for bad in (5, "text"):
+        with pytest.raises(TypeError):
+            reader.feed_data(bad)  # type: ignore[arg-type]
+    assert not reader._size
+    reader.feed_data(memoryview(array.array("H", [0x4142])))  # any bytes-like object
+    reader.feed_data(bytearray(b"!"))
+    reader.feed_eof()
+    async with asyncio.timeout(WAKE):
+        assert await reader.read() == array.array("H", [0x4142]).tobytes() + b"!"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_writing_a_non_bytes_object_names_its_type(
+    tls: bool, tls_ca: Any, server_cert: Any
+) -> None:
+    # The message was memoryview()'s ("memoryview: a bytes-like object is
+    # required"), naming a function the caller never called; it is now the
+    # default loop's. The connection is unharmed either way.
+    async def echo(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        writer.write(await reader.readexactly(2))
+        await writer.drain()
+        writer.close()
+
+    server = await slabnet.start_server(
+        echo, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
+    )
+    try:
+        host, port = server.sockets[0].getsockname()[:2]
+        async with asyncio.timeout(WAKE):
+            reader, writer = await slabnet.open_connection(
+                host, port, ssl=client_ctx(tls_ca) if tls else None,
+                server_hostname="localhost" if tls else None,
+            )
+            for bad, name in (("ok", "str"), (5, "int"), (None, "NoneType")):
+                with pytest.raises(TypeError, match=rf"^data argument must be a bytes-like object, not '{name}'$"):
+                    writer.write(bad)  # type: ignore[arg-type]
+                with pytest.raises(TypeError, match=rf"not '{name}'$"):
+                    writer.writelines([b"", bad])  # type: ignore[list-item]
+            writer.write(b"ok")
+            assert await reader.read() == b"ok"
+            writer.close()
+            await writer.wait_closed()
+    finally:
+        server.close()
+
+
+@pytest.mark.asyncio
+async def test_asyncio_stream_reader_protocol_feeds_a_slabnet_reader() -> None:
+    # The recipe for reading a pipe as a stream: asyncio.StreamReaderProtocol
+    # around a reader. It read the reader's _source_traceback, which
+    # slabnet's did not have, and raised AttributeError.
+    loop = asyncio.get_running_loop()
+    rfd, wfd = os.pipe()
+    payload = bytes(range(256)) * 300
+    reader = slabnet.StreamReader()
+    with open(rfd, "rb", buffering=0) as pipe:
+        transport, _ = await loop.connect_read_pipe(
+            lambda: asyncio.StreamReaderProtocol(reader), pipe
+        )
+        try:
+            writing = loop.run_in_executor(None, _write_and_close, wfd, payload)
+            async with asyncio.timeout(WAKE):
+                assert await reader.readexactly(5) == payload[:5]
+                assert await reader.read() == payload[5:]
+                await writing
+            assert reader.at_eof()
+        finally:
+            transport.close()
+
+
+def _write_and_close(fd: int, data: bytes) -> None:
+    with open(fd, "wb", buffering=0) as f:
+        f.write(data)
