@@ -34,7 +34,8 @@ cannot be sent at once (the plain connection has a queue, or the handshake
 is not done) gets a ``WriteRequest``, which completes once its ciphertext
 has been sent (``SlabTransport.track``).
 
-Closing. ``close()`` encrypts what is gathered, sends close_notify and keeps
+Closing. ``close()`` encrypts what is gathered, sends close_notify (unless
+the peer's FIN came: asyncio sends none then either) and keeps
 reading until the peer's close_notify (or its FIN) ends the read side; then
 it closes the plain connection, which sends what it still queues first. The
 shutdown timeout bounds the wait. After ``close()`` the app's pause no
@@ -467,7 +468,10 @@ class TLSTransport(WriteGate):
         assert engine is not None and lower is not None
         try:
             self._encrypt()
-            engine.start_shutdown()
+            if not self._peer_eof:
+                # A peer whose FIN came has left TLS: no close_notify goes
+                # to it (asyncio's _do_shutdown skips unwrap() then too).
+                engine.start_shutdown()
         except Exception as exc:
             # The engine broke on an earlier write (ssl.SSLError): no
             # close_notify can follow. close() never raises (asyncio's

@@ -1,0 +1,72 @@
+"""TLS parity: behaviour that asyncio's SSL transport and uvloop's share and
+slabnet did not, found by running CPython's and uvloop's own TLS test
+suites with slabnet swapped in (outside this repository). Each test here
+is written afresh for slabnet's API.
+
+Real loopback sockets, real TLS (trustme), on both loops; raw peers
+(``conftest.RawTLS`` or a plain socket) where the test must see the wire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import pytest
+
+import slabnet
+from conftest import RawTLS, client_ctx, server_ctx
+
+pytestmark = pytest.mark.timeout(30)
+
+WAKE = 10.0  # seconds any waiter may take to wake after the event it waits for
+
+
+async def accept(listener: socket.socket) -> socket.socket:
+    conn, _ = await asyncio.get_running_loop().sock_accept(listener)
+    conn.setblocking(False)
+    return conn
+
+
+async def read_to_end(sock: socket.socket) -> bytes:
+    """Every byte until the other side's FIN (a reset counts as the end)."""
+    loop = asyncio.get_running_loop()
+    out = bytearray()
+    try:
+        while data := await asyncio.wait_for(loop.sock_recv(sock, 65536), WAKE):
+            out += data
+    except ConnectionResetError:
+        pass
+    return bytes(out)
+
+
+# ------------------------------------------------- the peer's FIN without close_notify
+
+
+@pytest.mark.asyncio
+async def test_no_close_notify_goes_to_a_peer_that_sent_its_fin(
+    listener: socket.socket, server_cert: Any, tls_ca: Any
+) -> None:
+    """A peer that half-closes TCP without close_notify has left TLS: asyncio
+    and uvloop then close without a close_notify of their own (sslproto's
+    ``_do_shutdown`` skips ``unwrap()`` once ``eof_received`` ran), so the
+    peer, still reading its socket, sees the FIN and nothing else. slabnet
+    answered with a close_notify record the peer never asked for."""
+    port = listener.getsockname()[1]
+    opening = asyncio.ensure_future(slabnet.open_connection(
+        "127.0.0.1", port, ssl=client_ctx(tls_ca), server_hostname="localhost"
+    ))
+    tls = RawTLS(await accept(listener), server_ctx(server_cert), server_side=True)
+    try:
+        await tls.handshake()
+        reader, writer = await opening
+        await tls.send(tls.seal(b"last words"))
+        tls.sock.shutdown(socket.SHUT_WR)  # FIN, no close_notify
+        assert await asyncio.wait_for(reader.read(), WAKE) == b"last words"
+        writer.close()
+        await writer.wait_closed()
+        assert await read_to_end(tls.sock) == b""
+    finally:
+        tls.sock.close()
+
