@@ -531,8 +531,10 @@ class TLSTransport(WriteGate):
 
     def _shutdown_timed_out(self) -> None:
         self._timer = None
+        # asyncio's own words first (sslproto.py, uvloop's too), so that
+        # code matching its message keeps working.
         self._abort(ShutdownTimeoutError(
-            f"TLS shutdown did not complete within {self._shutdown_timeout} s"
+            f"SSL shutdown timed out (not done within {self._shutdown_timeout} s)"
         ))
 
     # ------------------------------------------------ writing: internals

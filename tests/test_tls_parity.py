@@ -70,3 +70,31 @@ async def test_no_close_notify_goes_to_a_peer_that_sent_its_fin(
     finally:
         tls.sock.close()
 
+
+# ------------------------------------------------- the shutdown timeout's message
+
+
+@pytest.mark.asyncio
+async def test_shutdown_timeout_says_what_asyncio_says(
+    listener: socket.socket, server_cert: Any, tls_ca: Any
+) -> None:
+    """A peer that never answers our close_notify: asyncio and uvloop end
+    the connection with ``TimeoutError("SSL shutdown timed out")``, and code
+    (uvloop's own tests among it) matches those words. slabnet's class was
+    right but its message was its own."""
+    port = listener.getsockname()[1]
+    opening = asyncio.ensure_future(slabnet.open_connection(
+        "127.0.0.1", port, ssl=client_ctx(tls_ca), server_hostname="localhost",
+        ssl_shutdown_timeout=0.2,
+    ))
+    tls = RawTLS(await accept(listener), server_ctx(server_cert), server_side=True)
+    try:
+        await tls.handshake()
+        reader, writer = await opening
+        writer.close()  # the peer reads nothing: no close_notify comes back
+        with pytest.raises(TimeoutError, match="SSL shutdown timed out"):
+            await asyncio.wait_for(reader.read(), WAKE)
+        assert isinstance(reader.exception(), slabnet.ShutdownTimeoutError)
+    finally:
+        tls.sock.close()
+
