@@ -757,13 +757,19 @@ class TLSTransport(WriteGate):
             self._fail(exc)
 
     def _read_eof(self) -> None:
-        if self._stage is _Stage.SHUTDOWN:
-            self._close_lower()
+        closing = self._stage is _Stage.SHUTDOWN
+        if closing and self._error is not None:
+            self._close_lower()  # aborted: the app hears nothing more
             return
+        # The peer's side ended cleanly. After our close() too: asyncio and
+        # uvloop call eof_received() there as well, before connection_lost.
         try:
             keep_open = self._app.eof_received()
         except Exception as exc:
             self._app_failed(exc, "eof_received")
+            return
+        if closing:
+            self._close_lower()
             return
         if keep_open:
             log.debug("%r: eof_received() returned True, ignored over TLS", self._app)

@@ -98,3 +98,69 @@ async def test_shutdown_timeout_says_what_asyncio_says(
     finally:
         tls.sock.close()
 
+
+# ------------------------------------------------- eof_received after our close()
+
+
+class Recorder(slabnet.ChunkProtocol):
+    def __init__(self, lost: asyncio.Future[None]) -> None:
+        self.events: list[str] = []
+        self.lost = lost
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.events.append("made")
+        self.transport = transport
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        self.events.append("chunk")
+
+    def eof_received(self) -> bool | None:
+        self.events.append("eof")
+        return None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.events.append(f"lost {exc!r}")
+        self.lost.set_result(None)
+
+
+@pytest.mark.asyncio
+async def test_eof_received_follows_close_when_the_peer_answers(
+    server_cert: Any, tls_ca: Any
+) -> None:
+    """After the app's own ``close()``, the peer's close_notify ends its side
+    of the connection: asyncio and uvloop call the protocol's
+    ``eof_received()`` then, before ``connection_lost(None)``, and a protocol
+    may wait for it (uvloop's tests do). slabnet went straight to
+    ``connection_lost``."""
+    loop = asyncio.get_running_loop()
+
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        await reader.read()  # to our close_notify, which the server answers
+        writer.close()
+
+    server = await slabnet.start_server(handler, "127.0.0.1", 0, ssl=server_ctx(server_cert))
+    try:
+        lost = loop.create_future()
+        app = Recorder(lost)
+        waiter = loop.create_future()
+        port = server.sockets[0].getsockname()[1]
+        raw, _ = await loop.create_connection(
+            lambda: slabnet.SlabProtocol(
+                app, loop=loop, ssl=client_ctx(tls_ca), server_hostname="localhost",
+                handshake_waiter=waiter,
+            ),
+            "127.0.0.1", port,
+        )
+        try:
+            await waiter
+            assert isinstance(app.transport, slabnet.TLSTransport)
+            app.transport.close()
+            await asyncio.wait_for(lost, WAKE)
+        finally:
+            raw.abort()
+        assert app.events == ["made", "eof", "lost None"]
+    finally:
+        server.close()
+        await server.wait_closed()
+
