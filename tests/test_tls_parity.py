@@ -164,3 +164,34 @@ async def test_eof_received_follows_close_when_the_peer_answers(
         server.close()
         await server.wait_closed()
 
+
+# ------------------------------------------------- STARTTLS refused, bytes kept
+
+
+@pytest.mark.parametrize(
+    "bad", [{"ssl_handshake_timeout": 0}, {"ssl_shutdown_timeout": -1}],
+    ids=["handshake_timeout", "shutdown_timeout"],
+)
+@pytest.mark.asyncio
+async def test_refused_start_tls_keeps_what_the_reader_holds(
+    listener: socket.socket, tls_ca: Any, bad: dict[str, float]
+) -> None:
+    """``writer.start_tls()`` with an argument asyncio refuses (ValueError)
+    leaves the plain connection as it was, bytes the reader holds included:
+    they are still the app's to read. slabnet took them out of the reader
+    (for the TLS layer) before the arguments were checked, and dropped them."""
+    loop = asyncio.get_running_loop()
+    reader, writer = await slabnet.open_connection("127.0.0.1", listener.getsockname()[1])
+    conn = await accept(listener)
+    try:
+        await loop.sock_sendall(conn, b"hello")  # one segment: one read
+        assert await asyncio.wait_for(reader.readexactly(1), WAKE) == b"h"
+        with pytest.raises(ValueError, match="should be a positive number"):
+            await writer.start_tls(client_ctx(tls_ca), server_hostname="localhost", **bad)
+        assert not isinstance(writer.transport, slabnet.TLSTransport)
+        conn.shutdown(socket.SHUT_WR)
+        assert await asyncio.wait_for(reader.read(), WAKE) == b"ello"
+    finally:
+        conn.close()
+        writer.close()
+        await writer.wait_closed()
