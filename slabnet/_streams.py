@@ -832,16 +832,24 @@ class StreamWriter:
         if isinstance(transport, TLSTransport):
             raise RuntimeError("the connection already uses TLS")
         reader = self._reader
-        tls, handshake = transport.upgrade_tls(
-            sslcontext,
-            already_read=b"" if reader is None else reader._take_rest(),
-            server_side=server_side,
-            server_hostname=server_hostname,
-            ssl_handshake_timeout=ssl_handshake_timeout,
-            ssl_shutdown_timeout=ssl_shutdown_timeout,
-            ssl_ragged_eof=ssl_ragged_eof,
-            ssl_session=ssl_session,
-        )
+        already_read = b"" if reader is None else reader._take_rest()
+        try:
+            tls, handshake = transport.upgrade_tls(
+                sslcontext,
+                already_read=already_read,
+                server_side=server_side,
+                server_hostname=server_hostname,
+                ssl_handshake_timeout=ssl_handshake_timeout,
+                ssl_shutdown_timeout=ssl_shutdown_timeout,
+                ssl_ragged_eof=ssl_ragged_eof,
+                ssl_session=ssl_session,
+            )
+        except BaseException:
+            # Refused before anything changed (a bad argument, a closed
+            # connection): the bytes are still the app's to read.
+            if already_read and reader is not None:
+                reader._unread([memoryview(already_read)])
+            raise
         assert isinstance(tls, TLSTransport)
         # From now on every write goes through the TLS layer: one made while
         # the handshake runs is encrypted once it is done, never sent plain.

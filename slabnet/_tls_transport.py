@@ -34,7 +34,8 @@ cannot be sent at once (the plain connection has a queue, or the handshake
 is not done) gets a ``WriteRequest``, which completes once its ciphertext
 has been sent (``SlabTransport.track``).
 
-Closing. ``close()`` encrypts what is gathered, sends close_notify and keeps
+Closing. ``close()`` encrypts what is gathered, sends close_notify (unless
+the peer's FIN came: asyncio sends none then either) and keeps
 reading until the peer's close_notify (or its FIN) ends the read side; then
 it closes the plain connection, which sends what it still queues first. The
 shutdown timeout bounds the wait. After ``close()`` the app's pause no
@@ -467,7 +468,10 @@ class TLSTransport(WriteGate):
         assert engine is not None and lower is not None
         try:
             self._encrypt()
-            engine.start_shutdown()
+            if not self._peer_eof:
+                # A peer whose FIN came has left TLS: no close_notify goes
+                # to it (asyncio's _do_shutdown skips unwrap() then too).
+                engine.start_shutdown()
         except Exception as exc:
             # The engine broke on an earlier write (ssl.SSLError): no
             # close_notify can follow. close() never raises (asyncio's
@@ -527,8 +531,10 @@ class TLSTransport(WriteGate):
 
     def _shutdown_timed_out(self) -> None:
         self._timer = None
+        # asyncio's own words first (sslproto.py, uvloop's too), so that
+        # code matching its message keeps working.
         self._abort(ShutdownTimeoutError(
-            f"TLS shutdown did not complete within {self._shutdown_timeout} s"
+            f"SSL shutdown timed out (not done within {self._shutdown_timeout} s)"
         ))
 
     # ------------------------------------------------ writing: internals
@@ -751,13 +757,19 @@ class TLSTransport(WriteGate):
             self._fail(exc)
 
     def _read_eof(self) -> None:
-        if self._stage is _Stage.SHUTDOWN:
-            self._close_lower()
+        closing = self._stage is _Stage.SHUTDOWN
+        if closing and self._error is not None:
+            self._close_lower()  # aborted: the app hears nothing more
             return
+        # The peer's side ended cleanly. After our close() too: asyncio and
+        # uvloop call eof_received() there as well, before connection_lost.
         try:
             keep_open = self._app.eof_received()
         except Exception as exc:
             self._app_failed(exc, "eof_received")
+            return
+        if closing:
+            self._close_lower()
             return
         if keep_open:
             log.debug("%r: eof_received() returned True, ignored over TLS", self._app)
