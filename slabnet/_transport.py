@@ -350,7 +350,8 @@ class SlabTransport(WriteGate):
     # The reading state is the protocol's, which makes the reads.
 
     def is_reading(self) -> bool:
-        return self._state is not _State.CLOSED and self._proto.is_reading()
+        # (From close() or abort() on nothing more is read, as on both loops.)
+        return not self._closing and self._proto.is_reading()
 
     def pause_reading(self) -> None:
         if self._state is not _State.CLOSED:

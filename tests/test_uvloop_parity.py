@@ -1,0 +1,98 @@
+"""Where slabnet's plain transport and the loops' own disagreed, found by
+running uvloop's TCP and Unix socket tests with slabnet swapped in (its
+streams for asyncio's, ``SlabProtocol(app)`` for the protocol factories).
+
+Every test runs on the asyncio loop and on uvloop, on loopback sockets, and
+bounds each wait, so a hang fails fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+
+import pytest
+
+import slabnet
+from conftest import wait_acked
+
+WAKE = 5.0  # seconds any waiter may take to wake
+
+
+class Recorder(slabnet.ChunkProtocol):
+    """Writes down every callback the transport makes, in order."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+        self.transport: slabnet.SlabTransport | None = None
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, slabnet.SlabTransport)
+        self.transport = transport
+        self.events.append("made")
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        self.events.append(bytes(chunk))
+
+    def eof_received(self) -> None:
+        self.events.append("eof")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.events.append(("lost", type(exc) if exc else None))
+        self.lost.set_result(None)
+
+
+async def connect(
+    listener: socket.socket,
+) -> tuple[slabnet.SlabTransport, Recorder, socket.socket]:
+    """A ``SlabProtocol`` connection to a raw peer accepted on ``listener``."""
+    loop = asyncio.get_running_loop()
+    app = Recorder()
+    async with asyncio.timeout(WAKE):
+        opening = asyncio.ensure_future(loop.create_connection(
+            lambda: slabnet.SlabProtocol(app), *listener.getsockname()
+        ))
+        peer, _ = await loop.sock_accept(listener)
+        await opening
+    peer.setblocking(False)
+    assert app.transport is not None
+    return app.transport, app, peer
+
+
+async def until(done: Callable[[], bool], what: str) -> None:
+    """Wait (a loop iteration at a time) until ``done()`` is true."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAKE
+    while not done():
+        if loop.time() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.005)
+
+
+async def a_few_iterations() -> None:
+    """Long enough for the loop to have read what its socket holds."""
+    for _ in range(10):
+        await asyncio.sleep(0.002)
+
+
+@pytest.mark.asyncio
+async def test_abort_stops_reading(listener: socket.socket) -> None:
+    # Both loops' transports say is_reading() False from close() or abort()
+    # on: they read nothing more. slabnet's said True after abort() until
+    # connection_lost, as if a pause_reading()/resume_reading() pair still
+    # meant something.
+    transport, app, peer = await connect(listener)
+    try:
+        assert transport.is_reading()
+        transport.abort()
+        assert transport.is_closing()
+        assert not transport.is_reading()
+        transport.resume_reading()  # (a no-op now, as on both loops)
+        assert not transport.is_reading()
+        async with asyncio.timeout(WAKE):
+            await app.lost
+        assert not transport.is_reading()
+    finally:
+        peer.close()
