@@ -547,6 +547,7 @@ class SlabTransport(WriteGate):
             return
         self._set_state(_State.CLOSING)
         self._proto.pause_reading()
+        self._proto.stop_reading()
         self._maybe_close_raw()
 
     def abort(self, exc: BaseException | None = None) -> None:
@@ -565,6 +566,7 @@ class SlabTransport(WriteGate):
         the kernel at once): they go out first, as far as the kernel takes
         them now, so ``write(); await drain(); abort()`` sends the write.
         """
+        self._proto.stop_reading()
         if self._out and not self._waiting_writable and self._send_open:
             self._send_queued()
         self._abort(exc or LocalAbortError("connection aborted locally (transport.abort())"))
@@ -811,7 +813,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         "loop", "upper", "_slab", "_pool", "_sizer", "_waiter", "_ready_when_made",
         "_deliver", "_borrows", "_raw", "_transport", "_upper_made", "_lost",
         "_lazy_pause", "_paused", "_socket_paused", "_eof", "_pause_buf", "_held",
-        "_release_scheduled",
+        "_release_scheduled", "_stopped",
     )
 
     def __init__(
@@ -874,6 +876,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._pause_buf: bytearray | None = None
         self._held: memoryview | None = None
         self._release_scheduled = False
+        self._stopped = False  # closed or aborted by the layer above: no more chunks
 
     def set_upper(self, upper: Any) -> None:
         """Make ``upper`` the protocol that gets this connection's chunks."""
@@ -985,6 +988,15 @@ class SlabProtocol(asyncio.BufferedProtocol):
     def is_reading(self) -> bool:
         return not self._paused
 
+    def stop_reading(self) -> None:
+        """The transport is closed or aborted: deliver nothing more. Bytes
+        a read made while paused holds are dropped, and so is what a later
+        read brings (close() pauses, abort() ends reading): the loops would
+        not have read them (asyncio: after close() "no more data will be
+        received"), and on uvloop the socket is paused before they come."""
+        self._stopped = True
+        self._held = None
+
     def pause_reading(self) -> None:
         self._paused = True
         if not self._lazy_pause and not self._socket_paused and self._raw is not None:
@@ -1010,9 +1022,10 @@ class SlabProtocol(asyncio.BufferedProtocol):
         buf = self._pause_buf
         assert buf is not None
         self._pause_buf = None
-        data = bytes(memoryview(buf)[:nbytes])
-        held = self._held
-        self._held = memoryview(data if held is None else held.tobytes() + data)
+        if not self._stopped:
+            data = bytes(memoryview(buf)[:nbytes])
+            held = self._held
+            self._held = memoryview(data if held is None else held.tobytes() + data)
         # Even if it was paused already: uvloop ignores a pause made before
         # it starts reading (from connection_made), and reads on.
         self._socket_paused = True

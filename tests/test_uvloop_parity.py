@@ -96,3 +96,30 @@ async def test_abort_stops_reading(listener: socket.socket) -> None:
         assert not transport.is_reading()
     finally:
         peer.close()
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("end", ["close", "abort"])
+async def test_nothing_is_delivered_after_close_or_abort(
+    listener: socket.socket, end: str
+) -> None:
+    # Bytes that came while the app had paused reading, then close() or
+    # abort(): the loops never read them ("no more data will be received"
+    # after close(), asyncio's docs say). On the asyncio loop slabnet had
+    # already read them into its paused-read buffer (it pauses the socket
+    # lazily) and handed them to chunk_received from connection_lost, after
+    # the app had closed; on uvloop it did not. Now neither loop does.
+    transport, app, peer = await connect(listener)
+    try:
+        transport.pause_reading()
+        await a_few_iterations()
+        await asyncio.get_running_loop().sock_sendall(peer, b"late")
+        await wait_acked(peer)  # in our kernel's receive queue
+        await a_few_iterations()
+        getattr(transport, end)()
+        async with asyncio.timeout(WAKE):
+            await app.lost
+        lost = None if end == "close" else slabnet.LocalAbortError
+        assert app.events == ["made", ("lost", lost)]
+    finally:
+        peer.close()
