@@ -813,7 +813,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         "loop", "upper", "_slab", "_pool", "_sizer", "_waiter", "_ready_when_made",
         "_deliver", "_borrows", "_raw", "_transport", "_upper_made", "_lost",
         "_lazy_pause", "_paused", "_socket_paused", "_eof", "_pause_buf", "_held",
-        "_release_scheduled", "_stopped",
+        "_release_scheduled", "_stopped", "_eof_held",
     )
 
     def __init__(
@@ -877,6 +877,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._held: memoryview | None = None
         self._release_scheduled = False
         self._stopped = False  # closed or aborted by the layer above: no more chunks
+        self._eof_held = False  # a read made while paused found the peer's FIN
 
     def set_upper(self, upper: Any) -> None:
         """Make ``upper`` the protocol that gets this connection's chunks."""
@@ -933,10 +934,19 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if tr is None:
             return None  # the connection is already gone
         self._eof = True
+        if self._paused:
+            # Found by a read made while paused (lazy pause): the loops tell
+            # a paused protocol of the FIN only after resume_reading(), so
+            # it is held, as the bytes of such a read are.
+            self._eof_held = True
+        else:
+            self._deliver_eof(tr)
+        return True  # the loop's transport stays: our close() ends it
+
+    def _deliver_eof(self, tr: SlabTransport) -> None:
         keep_open = self.upper.eof_received()
         if not keep_open:
             tr.close()
-        return True  # the loop's transport stays: our close() ends it
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._lost:
@@ -996,6 +1006,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         received"), and on uvloop the socket is paused before they come."""
         self._stopped = True
         self._held = None
+        self._eof_held = False
 
     def pause_reading(self) -> None:
         self._paused = True
@@ -1007,7 +1018,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if not self._paused:
             return
         self._paused = False
-        if self._held is not None:
+        if self._held is not None or self._eof_held:
             # Delivered from the loop, not from inside the caller (a stream
             # resumes in the middle of a read), and before any newer read:
             # the socket resumes only once the held bytes are delivered.
@@ -1035,15 +1046,24 @@ class SlabProtocol(asyncio.BufferedProtocol):
     def _release_held(self) -> None:
         self._release_scheduled = False
         held = self._held
-        if self._paused or held is None or self._transport is None:
+        if self._paused or self._transport is None:
             return  # paused again meanwhile, or gone (connection_lost delivers)
-        self._held = None
-        try:
-            self._deliver(held)
-        except Exception as exc:
-            # As the loops do for a chunk they deliver (buffer_updated).
-            # Escaping from this callback, it left the socket paused for good.
-            self._app_failed(exc, "chunk_received")
+        # An exception from the app is handled as the loops handle one from
+        # a callback they make (buffer_updated, eof_received); escaping
+        # from this callback, it would leave the socket paused for good.
+        if held is not None:
+            self._held = None
+            try:
+                self._deliver(held)
+            except Exception as exc:
+                self._app_failed(exc, "chunk_received")
+                return
+        if self._eof_held and not self._paused:
+            self._eof_held = False
+            try:
+                self._deliver_eof(self._transport)
+            except Exception as exc:
+                self._app_failed(exc, "eof_received")
             return
         if not self._paused and self._socket_paused:
             self._resume_socket()

@@ -123,3 +123,51 @@ async def test_nothing_is_delivered_after_close_or_abort(
         assert app.events == ["made", ("lost", lost)]
     finally:
         peer.close()
+
+
+@pytest.mark.asyncio
+async def test_eof_waits_for_resume_reading(listener: socket.socket) -> None:
+    # A paused transport reads nothing, EOF included: the loops tell the
+    # protocol of the peer's FIN only after resume_reading(). On the asyncio
+    # loop slabnet's next read while paused found the FIN and called
+    # eof_received at once, and, since the app did not keep the connection
+    # half-open, closed it: connection_lost came while the app still had
+    # reading paused (on uvloop it came after resume_reading(), as the
+    # loops' own).
+    transport, app, peer = await connect(listener)
+    try:
+        transport.pause_reading()
+        await a_few_iterations()
+        peer.shutdown(socket.SHUT_WR)
+        await a_few_iterations()
+        await a_few_iterations()
+        assert app.events == ["made"]
+        assert not transport.is_closing()
+        transport.resume_reading()
+        async with asyncio.timeout(WAKE):
+            await app.lost
+        assert app.events == ["made", "eof", ("lost", None)]
+    finally:
+        peer.close()
+
+
+@pytest.mark.asyncio
+async def test_data_then_eof_while_paused_keep_their_order(listener: socket.socket) -> None:
+    # (Kept working through the fix above.) Data, then the FIN, both while
+    # paused: every byte comes first, then eof_received, after resume.
+    transport, app, peer = await connect(listener)
+    payload = bytes(range(256)) * 20
+    try:
+        transport.pause_reading()
+        await a_few_iterations()
+        await asyncio.get_running_loop().sock_sendall(peer, payload)
+        peer.shutdown(socket.SHUT_WR)
+        await a_few_iterations()
+        assert app.events == ["made"]
+        transport.resume_reading()
+        async with asyncio.timeout(WAKE):
+            await app.lost
+        assert app.events[0] == "made" and app.events[-2:] == ["eof", ("lost", None)]
+        assert b"".join(e for e in app.events if isinstance(e, bytes)) == payload
+    finally:
+        peer.close()
