@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
 
 import pytest
 
@@ -59,16 +58,6 @@ async def connect(
     peer.setblocking(False)
     assert app.transport is not None
     return app.transport, app, peer
-
-
-async def until(done: Callable[[], bool], what: str) -> None:
-    """Wait (a loop iteration at a time) until ``done()`` is true."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAKE
-    while not done():
-        if loop.time() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.005)
 
 
 async def a_few_iterations() -> None:
