@@ -350,7 +350,8 @@ class SlabTransport(WriteGate):
     # The reading state is the protocol's, which makes the reads.
 
     def is_reading(self) -> bool:
-        return self._state is not _State.CLOSED and self._proto.is_reading()
+        # (From close() or abort() on nothing more is read, as on both loops.)
+        return not self._closing and self._proto.is_reading()
 
     def pause_reading(self) -> None:
         if self._state is not _State.CLOSED:
@@ -546,6 +547,7 @@ class SlabTransport(WriteGate):
             return
         self._set_state(_State.CLOSING)
         self._proto.pause_reading()
+        self._proto.stop_reading()
         self._maybe_close_raw()
 
     def abort(self, exc: BaseException | None = None) -> None:
@@ -564,6 +566,7 @@ class SlabTransport(WriteGate):
         the kernel at once): they go out first, as far as the kernel takes
         them now, so ``write(); await drain(); abort()`` sends the write.
         """
+        self._proto.stop_reading()
         if self._out and not self._waiting_writable and self._send_open:
             self._send_queued()
         self._abort(exc or LocalAbortError("connection aborted locally (transport.abort())"))
@@ -810,7 +813,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         "loop", "upper", "_slab", "_pool", "_sizer", "_waiter", "_ready_when_made",
         "_deliver", "_borrows", "_raw", "_transport", "_upper_made", "_lost",
         "_lazy_pause", "_paused", "_socket_paused", "_eof", "_pause_buf", "_held",
-        "_release_scheduled",
+        "_release_scheduled", "_stopped", "_eof_held",
     )
 
     def __init__(
@@ -873,6 +876,8 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._pause_buf: bytearray | None = None
         self._held: memoryview | None = None
         self._release_scheduled = False
+        self._stopped = False  # closed or aborted by the layer above: no more chunks
+        self._eof_held = False  # a read made while paused found the peer's FIN
 
     def set_upper(self, upper: Any) -> None:
         """Make ``upper`` the protocol that gets this connection's chunks."""
@@ -929,10 +934,19 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if tr is None:
             return None  # the connection is already gone
         self._eof = True
+        if self._paused:
+            # Found by a read made while paused (lazy pause): the loops tell
+            # a paused protocol of the FIN only after resume_reading(), so
+            # it is held, as the bytes of such a read are.
+            self._eof_held = True
+        else:
+            self._deliver_eof(tr)
+        return True  # the loop's transport stays: our close() ends it
+
+    def _deliver_eof(self, tr: SlabTransport) -> None:
         keep_open = self.upper.eof_received()
         if not keep_open:
             tr.close()
-        return True  # the loop's transport stays: our close() ends it
 
     def connection_lost(self, exc: BaseException | None) -> None:
         if self._lost:
@@ -984,6 +998,16 @@ class SlabProtocol(asyncio.BufferedProtocol):
     def is_reading(self) -> bool:
         return not self._paused
 
+    def stop_reading(self) -> None:
+        """The transport is closed or aborted: deliver nothing more. Bytes
+        a read made while paused holds are dropped, and so is what a later
+        read brings (close() pauses, abort() ends reading): the loops would
+        not have read them (asyncio: after close() "no more data will be
+        received"), and on uvloop the socket is paused before they come."""
+        self._stopped = True
+        self._held = None
+        self._eof_held = False
+
     def pause_reading(self) -> None:
         self._paused = True
         if not self._lazy_pause and not self._socket_paused and self._raw is not None:
@@ -994,7 +1018,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if not self._paused:
             return
         self._paused = False
-        if self._held is not None:
+        if self._held is not None or self._eof_held:
             # Delivered from the loop, not from inside the caller (a stream
             # resumes in the middle of a read), and before any newer read:
             # the socket resumes only once the held bytes are delivered.
@@ -1009,9 +1033,10 @@ class SlabProtocol(asyncio.BufferedProtocol):
         buf = self._pause_buf
         assert buf is not None
         self._pause_buf = None
-        data = bytes(memoryview(buf)[:nbytes])
-        held = self._held
-        self._held = memoryview(data if held is None else held.tobytes() + data)
+        if not self._stopped:
+            data = bytes(memoryview(buf)[:nbytes])
+            held = self._held
+            self._held = memoryview(data if held is None else held.tobytes() + data)
         # Even if it was paused already: uvloop ignores a pause made before
         # it starts reading (from connection_made), and reads on.
         self._socket_paused = True
@@ -1021,15 +1046,24 @@ class SlabProtocol(asyncio.BufferedProtocol):
     def _release_held(self) -> None:
         self._release_scheduled = False
         held = self._held
-        if self._paused or held is None or self._transport is None:
+        if self._paused or self._transport is None:
             return  # paused again meanwhile, or gone (connection_lost delivers)
-        self._held = None
-        try:
-            self._deliver(held)
-        except Exception as exc:
-            # As the loops do for a chunk they deliver (buffer_updated).
-            # Escaping from this callback, it left the socket paused for good.
-            self._app_failed(exc, "chunk_received")
+        # An exception from the app is handled as the loops handle one from
+        # a callback they make (buffer_updated, eof_received); escaping
+        # from this callback, it would leave the socket paused for good.
+        if held is not None:
+            self._held = None
+            try:
+                self._deliver(held)
+            except Exception as exc:
+                self._app_failed(exc, "chunk_received")
+                return
+        if self._eof_held and not self._paused:
+            self._eof_held = False
+            try:
+                self._deliver_eof(self._transport)
+            except Exception as exc:
+                self._app_failed(exc, "eof_received")
             return
         if not self._paused and self._socket_paused:
             self._resume_socket()
