@@ -175,11 +175,11 @@ class StreamReader:
         """asyncio-compatible: queue a copy of ``data``."""
         if self._eof:
             raise AssertionError("feed_data after feed_eof")
+        if not data:
+            return  # (None too, as asyncio's)
         # (memoryview() first: bytes(5) would be five zero bytes, where
         # asyncio's raises TypeError for anything not bytes-like.)
-        data = bytes(memoryview(data))
-        if data:
-            self._feed_chunk(memoryview(data))
+        self._feed_chunk(memoryview(bytes(memoryview(data))))
 
     def _feed_chunk(self, chunk: memoryview) -> None:
         # The hot path: the transport calls this for every chunk.

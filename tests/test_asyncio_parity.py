@@ -111,6 +111,8 @@ async def test_feed_data_takes_only_bytes_like_objects() -> None:
     for bad in (5, "text"):
         with pytest.raises(TypeError):
             reader.feed_data(bad)  # type: ignore[arg-type]
+    for nothing in (b"", None, 0):  # asyncio's takes these as nothing
+        reader.feed_data(nothing)  # type: ignore[arg-type]
     assert not reader._size
     reader.feed_data(memoryview(array.array("H", [0x4142])))  # any bytes-like object
     reader.feed_data(bytearray(b"!"))
