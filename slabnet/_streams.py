@@ -1019,6 +1019,33 @@ def _server_factory(
     return factory
 
 
+def _serving(server: asyncio.Server) -> asyncio.Server:
+    """The loop's ``Server``, whose ``abort_clients()`` (3.13) aborts
+    slabnet's transports first.
+
+    The loop's ``abort_clients()`` aborts the loop's transports, which looks
+    to ``SlabProtocol`` like ``close_clients()``: ``connection_lost(None)``
+    either way. After a close slabnet still sends its queue on the
+    duplicate descriptor (``SlabTransport._outlive_raw``), as asyncio's
+    transport flushes its buffer; after an abort it must drop it, as
+    asyncio's does, or a client that never reads keeps its connection."""
+    abort_clients = getattr(server, "abort_clients", None)
+    clients = getattr(server, "_clients", None)
+    if abort_clients is None or clients is None:
+        return server  # (before 3.13, and uvloop's Server: no abort_clients)
+
+    def abort_slabnet_clients() -> None:
+        for raw in list(clients):
+            proto = raw.get_protocol()
+            tr = proto._transport if isinstance(proto, SlabProtocol) else None
+            if tr is not None:
+                tr.abort()
+        abort_clients()
+
+    setattr(server, "abort_clients", abort_slabnet_clients)  # (3.13 only: typed per version)
+    return server
+
+
 async def start_server(
     client_connected_cb: ClientConnectedCallback,
     host: str | Iterable[str] | None = None,
@@ -1040,7 +1067,7 @@ async def start_server(
         client_connected_cb, limit, ssl, ssl_handshake_timeout, ssl_shutdown_timeout,
         ssl_ragged_eof,
     )
-    return await loop.create_server(factory, host, port, **kwds)  # type: ignore[arg-type]
+    return _serving(await loop.create_server(factory, host, port, **kwds))  # type: ignore[arg-type]
 
 
 async def start_unix_server(
@@ -1060,5 +1087,5 @@ async def start_unix_server(
         client_connected_cb, limit, ssl, ssl_handshake_timeout, ssl_shutdown_timeout,
         ssl_ragged_eof,
     )
-    return await loop.create_unix_server(factory, path, **kwds)
+    return _serving(await loop.create_unix_server(factory, path, **kwds))
 

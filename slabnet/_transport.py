@@ -734,7 +734,10 @@ class SlabTransport(WriteGate):
         out on it, as asyncio's own transport flushes before it closes; then
         the duplicate is closed (``_maybe_close_raw``) and the connection is
         lost for good. True if the loss is deferred until then. Only a
-        graceful close gets here; an abort or a reset drops the queue.
+        graceful close gets here; an abort or a reset drops the queue. (The
+        loop's abort of its transport looks the same from here: so the
+        ``Server`` of slabnet's ``start_server`` aborts ours first, in
+        ``abort_clients()``.)
         """
         if not self._send_open:
             return False

@@ -246,6 +246,38 @@ async def test_abort_after_the_loop_transport_closed_drops_the_queue() -> None:
     assert await fds_settle(baseline) <= baseline
 
 
+@pytest.mark.skipif(sys.version_info < (3, 13), reason="Server.abort_clients() is new in 3.13")
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_abort_clients_drops_the_queue(
+    tls: bool, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    # Server.abort_clients() aborts the loop's transports. To slabnet that
+    # looked like close_clients()'s graceful close (connection_lost(None)
+    # either way), so a queue waiting on its duplicate descriptor was still
+    # sent, for as long as the client took to read it: a client that never
+    # reads -- the one abort_clients() is for -- kept its connection open.
+    if type(asyncio.get_running_loop()).__module__.startswith("uvloop"):
+        pytest.skip("uvloop's Server has no abort_clients()")
+    baseline = open_fds()
+    server, queued, closed = await backlogged_server(tls_server_context if tls else None)
+    port = server.sockets[0].getsockname()[1]
+    kw: dict[str, Any] = {}
+    if tls:
+        kw = dict(ssl=tls_client_context, server_hostname="localhost", ssl_ragged_eof=True)
+    reader, writer = await connect_small(port, **kw)
+    server_writer = await asyncio.wait_for(queued, WAKE)
+    assert server_writer.transport.get_write_buffer_size() > PAYLOAD // 2
+    server.abort_clients()
+    await asyncio.wait_for(closed, WAKE)  # without the client reading a byte
+    data, exc = await read_to_end(reader)
+    assert len(data) < PAYLOAD // 2  # the queue was dropped, as asyncio's buffer is
+    writer.close()
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), WAKE)
+    assert await fds_settle(baseline) <= baseline
+
+
 # ------------------------------------------------ 13: one future per await
 
 
