@@ -249,14 +249,19 @@ class WriteGate(asyncio.Transport):
         on logs a warning. (uvloop raises RuntimeError once its handle is
         closed; slabnet follows the default loop on both loops.)
         """
-        if self._eof_requested:
-            raise RuntimeError("Cannot call write() after write_eof()")
+        self._check_not_eof()
         if self._writes_closed():
             self._dropped_writes += 1
             if self._dropped_writes >= _DROPPED_WRITES_LOG:
                 log.warning("%r: write() on a closed connection: data dropped", self)
             return False
         return True
+
+    def _check_not_eof(self) -> None:
+        """Raise if ``write_eof()`` was called: any write after it is an
+        error, an empty one too (the loops' write() checks this first)."""
+        if self._eof_requested:
+            raise RuntimeError("Cannot call write() after write_eof()")
 
     def _check_pause(self) -> None:
         size = self.get_write_buffer_size()
@@ -369,6 +374,7 @@ class SlabTransport(WriteGate):
         view = data if type(data) is bytes else _as_bytes_view(data)
         n = len(view)
         if not n:
+            self._check_not_eof()  # the loops check that before the length
             return None
         if self._closing or self._eof_requested or not self._send_open:
             if not self._check_writable():
@@ -407,6 +413,7 @@ class SlabTransport(WriteGate):
         """Write several buffers; they go out with one ``sendmsg``."""
         views = [v for v in map(_as_bytes_view, list_of_data) if v.nbytes]
         if not views:
+            self._check_not_eof()
             return None
         if not self._check_writable():
             return None
