@@ -38,6 +38,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+import slabnet
+
 
 _watchdog_fd: int | None = None
 
@@ -324,3 +326,49 @@ class Handler:
 
 class Boom(Exception):
     """The app's own bug, raised from a callback."""
+
+
+class Recorder(slabnet.ChunkProtocol):
+    """An app that writes down every callback its
+    transport makes, in order; ``lost`` has connection_lost's argument."""
+
+    def __init__(self) -> None:
+        self.events: list[object] = []
+        self.transport: slabnet.SlabTransport | None = None
+        self.lost: asyncio.Future[BaseException | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, slabnet.SlabTransport)
+        self.transport = transport
+        self.events.append("made")
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        self.events.append(bytes(chunk))
+
+    def eof_received(self) -> None:
+        self.events.append("eof")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.events.append(("lost", type(exc) if exc else None))
+        self.lost.set_result(exc)
+
+
+async def connect_slab(
+    listener: socket.socket, wake: float = 5.0
+) -> tuple[slabnet.SlabTransport, Recorder, socket.socket]:
+    """A ``SlabProtocol`` connection (its transport, its ``Recorder`` app)
+    to a raw peer accepted on ``listener``."""
+    loop = asyncio.get_running_loop()
+    app = Recorder()
+    async with asyncio.timeout(wake):
+        opening = asyncio.ensure_future(loop.create_connection(
+            lambda: slabnet.SlabProtocol(app), *listener.getsockname()
+        ))
+        peer, _ = await loop.sock_accept(listener)
+        await opening
+    peer.setblocking(False)
+    assert app.transport is not None
+    return app.transport, app, peer
+

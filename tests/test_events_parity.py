@@ -14,40 +14,9 @@ import socket
 
 import pytest
 
-import slabnet
+from conftest import connect_slab as connect
 
 WAKE = 5.0  # seconds any waiter may take to wake
-
-
-class Quiet(slabnet.ChunkProtocol):
-    """Keeps its transport; says when the connection is gone."""
-
-    def __init__(self) -> None:
-        self.transport: slabnet.SlabTransport | None = None
-        self.lost = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, slabnet.SlabTransport)
-        self.transport = transport
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self.lost.set_result(exc)
-
-
-async def connect(
-    listener: socket.socket,
-) -> tuple[slabnet.SlabTransport, Quiet, socket.socket]:
-    loop = asyncio.get_running_loop()
-    app = Quiet()
-    async with asyncio.timeout(WAKE):
-        opening = asyncio.ensure_future(loop.create_connection(
-            lambda: slabnet.SlabProtocol(app), *listener.getsockname()
-        ))
-        peer, _ = await loop.sock_accept(listener)
-        await opening
-    peer.setblocking(False)
-    assert app.transport is not None
-    return app.transport, app, peer
 
 
 @pytest.mark.asyncio

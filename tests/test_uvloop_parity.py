@@ -14,50 +14,10 @@ import socket
 import pytest
 
 import slabnet
+from conftest import connect_slab as connect
 from conftest import wait_acked
 
 WAKE = 5.0  # seconds any waiter may take to wake
-
-
-class Recorder(slabnet.ChunkProtocol):
-    """Writes down every callback the transport makes, in order."""
-
-    def __init__(self) -> None:
-        self.events: list[object] = []
-        self.transport: slabnet.SlabTransport | None = None
-        self.lost = asyncio.get_running_loop().create_future()
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, slabnet.SlabTransport)
-        self.transport = transport
-        self.events.append("made")
-
-    def chunk_received(self, chunk: memoryview) -> None:
-        self.events.append(bytes(chunk))
-
-    def eof_received(self) -> None:
-        self.events.append("eof")
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self.events.append(("lost", type(exc) if exc else None))
-        self.lost.set_result(None)
-
-
-async def connect(
-    listener: socket.socket,
-) -> tuple[slabnet.SlabTransport, Recorder, socket.socket]:
-    """A ``SlabProtocol`` connection to a raw peer accepted on ``listener``."""
-    loop = asyncio.get_running_loop()
-    app = Recorder()
-    async with asyncio.timeout(WAKE):
-        opening = asyncio.ensure_future(loop.create_connection(
-            lambda: slabnet.SlabProtocol(app), *listener.getsockname()
-        ))
-        peer, _ = await loop.sock_accept(listener)
-        await opening
-    peer.setblocking(False)
-    assert app.transport is not None
-    return app.transport, app, peer
 
 
 async def a_few_iterations() -> None:

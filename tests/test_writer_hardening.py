@@ -169,11 +169,15 @@ async def backlogged_server(
     return server, queued, closed
 
 
-async def check_graceful_end_of_loop_transport(
-    close: Any, tls: bool, tls_server_context: ssl.SSLContext,
-    tls_client_context: ssl.SSLContext,
-) -> None:
-    baseline = open_fds()
+async def backlogged_connection(
+    tls: bool, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> tuple[
+    asyncio.Server, asyncio.Future[None], slabnet.StreamReader, slabnet.StreamWriter,
+    slabnet.StreamWriter,
+]:
+    """A client of ``backlogged_server`` (plain or TLS): the server, its
+    handler's ``closed``, the client's reader and writer, and the server's
+    writer once its payload is queued."""
     server, queued, closed = await backlogged_server(tls_server_context if tls else None)
     port = server.sockets[0].getsockname()[1]
     kw: dict[str, Any] = {}
@@ -181,6 +185,17 @@ async def check_graceful_end_of_loop_transport(
         kw = dict(ssl=tls_client_context, server_hostname="localhost", ssl_ragged_eof=True)
     reader, writer = await connect_small(port, **kw)
     server_writer = await asyncio.wait_for(queued, WAKE)
+    return server, closed, reader, writer, server_writer
+
+
+async def check_graceful_end_of_loop_transport(
+    close: Any, tls: bool, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    baseline = open_fds()
+    server, closed, reader, writer, server_writer = await backlogged_connection(
+        tls, tls_server_context, tls_client_context
+    )
     backlog = server_writer.transport.get_write_buffer_size()
     assert backlog > PAYLOAD // 2, backlog  # most of it waits in slabnet's queue
     close(server, server_writer)
@@ -260,13 +275,9 @@ async def test_abort_clients_drops_the_queue(
     if type(asyncio.get_running_loop()).__module__.startswith("uvloop"):
         pytest.skip("uvloop's Server has no abort_clients()")
     baseline = open_fds()
-    server, queued, closed = await backlogged_server(tls_server_context if tls else None)
-    port = server.sockets[0].getsockname()[1]
-    kw: dict[str, Any] = {}
-    if tls:
-        kw = dict(ssl=tls_client_context, server_hostname="localhost", ssl_ragged_eof=True)
-    reader, writer = await connect_small(port, **kw)
-    server_writer = await asyncio.wait_for(queued, WAKE)
+    server, closed, reader, writer, server_writer = await backlogged_connection(
+        tls, tls_server_context, tls_client_context
+    )
     assert server_writer.transport.get_write_buffer_size() > PAYLOAD // 2
     server.abort_clients()
     await asyncio.wait_for(closed, WAKE)  # without the client reading a byte
