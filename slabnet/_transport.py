@@ -238,7 +238,12 @@ class WriteGate(asyncio.Transport):
         if not high >= low >= 0:
             raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
         self._high, self._low = high, low
-        self._check_pause()
+        # New limits may pause the app at once; a resume waits for the next
+        # drain, as with both loops' transports (from inside pause_writing()
+        # the app would otherwise hear resume_writing() before its pause
+        # returned).
+        if not self._writing_paused:
+            self._check_pause()
 
     def _check_writable(self) -> bool:
         """False if a write must be dropped; raises after ``write_eof()``.

@@ -166,3 +166,77 @@ async def test_starttls_while_writing_is_paused_still_resumes_the_app(
     finally:
         (tls or plain).abort()
         peer.close()
+
+
+class _RaisesLimitsWhenPaused(_Paced):
+    """Raises the write-buffer limits past what is queued from inside
+    ``pause_writing()``: as an app that answers back-pressure by allowing
+    a larger buffer does."""
+
+    def pause_writing(self) -> None:
+        self.events.append("pause")
+        size = self.transport.get_write_buffer_size()
+        self.transport.set_write_buffer_limits(high=4 * size, low=2 * size)
+        self.events.append("pause returned")
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_raised_limits_resume_at_the_next_drain_not_inside_the_call(
+    small_listener: socket.socket, tls: bool, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    # set_write_buffer_limits() that raised the limits of a paused transport
+    # past its buffer called resume_writing() from inside that call; from
+    # pause_writing() the app heard the resume before its pause had
+    # returned, and an app that sets its paused flag last stayed paused for
+    # good. Both loops' transports only pause there, and resume when the
+    # buffer next drains to the low-water mark.
+    loop = asyncio.get_running_loop()
+    release = asyncio.Event()
+    received: asyncio.Future[int] = loop.create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        await release.wait()  # not reading: the client's writes back up
+        received.set_result(await count_to_eof(reader))
+        writer.close()
+
+    server = await slabnet.start_server(
+        handle, sock=small_listener, ssl=tls_server_context if tls else None
+    )
+    sock = socket.socket()
+    shrink(sock)
+    sock.setblocking(False)
+    await loop.sock_connect(sock, small_listener.getsockname())
+    app = _RaisesLimitsWhenPaused()
+    made: asyncio.Future[None] = loop.create_future()
+    kw: dict[str, Any] = {"ssl": tls_client_context, "server_hostname": "localhost"} if tls else {}
+    await loop.create_connection(
+        lambda: slabnet.SlabProtocol(app, handshake_waiter=made, **kw), sock=sock
+    )
+    await asyncio.wait_for(made, WAKE)
+    tr = app.transport
+    tr.set_write_buffer_limits(high=64 * 1024)
+    sent = 0
+    try:
+        async with asyncio.timeout(WAKE):
+            while not app.events:  # until the buffer passes the high-water mark
+                tr.write(b"w" * 65536)
+                sent += 65536
+                await asyncio.sleep(0)
+        # (Whether the kernel took more since, and the resume came, is
+        # timing; that it did not come inside the pause is not.)
+        assert app.events[:2] == ["pause", "pause returned"]
+        low, high = tr.get_write_buffer_limits()
+        assert tr.get_write_buffer_size() <= low < high
+        release.set()
+        async with asyncio.timeout(WAKE):
+            while "resume" not in app.events:
+                await asyncio.sleep(0.001)
+        assert app.events == ["pause", "pause returned", "resume"]
+        tr.close()
+        assert await asyncio.wait_for(received, WAKE) == sent
+    finally:
+        tr.abort()
+        server.close()
+        await server.wait_closed()
