@@ -91,6 +91,16 @@ SSL_SHUTDOWN_TIMEOUT: Final = 30.0
 #: until the shutdown timeout.
 AFTER_CLOSE_MAX: Final = LEND_SIZE
 
+#: Answers the engine sends by itself while the plain connection's queue is
+#: paused -- a KeyUpdate of ours for each the peer requests (RFC 8446
+#: 4.6.3: every record may carry one), the refusal of a renegotiation -- at
+#: most this many bytes of them before reading stops until the peer takes
+#: some. A peer that asks without ever reading would otherwise grow our
+#: queue at its own sending rate, 27 bytes per request (asyncio's and
+#: uvloop's SSL transports let it). 16 KiB is some 600 requests with no
+#: progress at all on our side: no peer that reads does that.
+ANSWERS_MAX: Final = 16 * 1024
+
 #: The names get_extra_info answers from the engine, not from the socket.
 _TLS_EXTRA: Final = frozenset(
     {"ssl_object", "peercert", "cipher", "compression", "sslcontext", "peercert_bin",
@@ -176,7 +186,12 @@ class TLSTransport(WriteGate):
         self._read_over = False  # read side ended: close_notify, EOF or failure
         self._peer_eof = False  # the peer's TCP FIN arrived
         self._error: BaseException | None = None  # what connection_lost reports
-        self._reading_paused = False
+        self._reading_paused = False  # by the app
+        # The engine's own answers (ANSWERS_MAX): bytes sent while the plain
+        # connection's queue is paused, and whether reading waits for it.
+        self._lower_paused = False
+        self._answers = 0
+        self._answers_wait = False
         self._plain: list[memoryview] = []  # plaintext for the next flush
         self._plain_bytes = 0
         self._flush_scheduled = False
@@ -304,9 +319,15 @@ class TLSTransport(WriteGate):
             self._app = self._deliver = None
 
     def pause_writing(self) -> None:
+        self._lower_paused = True
         self._check_pause()  # the plain connection's queue is part of ours
 
     def resume_writing(self) -> None:
+        self._lower_paused = False
+        self._answers = 0  # the peer takes what we send
+        if self._answers_wait:
+            self._answers_wait = False
+            self._resume_lower()
         self._check_pause()
 
     # ================================================ the app's side
@@ -359,10 +380,18 @@ class TLSTransport(WriteGate):
             return
         was_paused = self._reading_paused
         self._reading_paused = False
+        self._resume_lower(was_paused)
+
+    def _resume_lower(self, held: bool = True) -> None:
+        """Resume the plain connection's reads, unless the app's pause or
+        the engine's unread answers still hold them; ``held``: records may
+        have arrived meanwhile."""
+        if self._answers_wait or self._reading_paused:
+            return
         assert self._lower is not None
         self._lower.resume_reading()
         engine = self._engine
-        if was_paused and engine is not None and engine.buffered_ciphertext:
+        if held and engine is not None and engine.buffered_ciphertext:
             # Records that arrived before the pause are delivered first.
             self._loop.call_soon(self._pump)
 
@@ -485,7 +514,8 @@ class TLSTransport(WriteGate):
             return
         if self._reading_paused:
             self._reading_paused = False
-            lower.resume_reading()
+            if not self._answers_wait:
+                lower.resume_reading()
         # What arrived while reading was paused (it may hold the peer's
         # close_notify), and plaintext the shutdown took out of OpenSSL,
         # is read now: nothing new may ever arrive to start the pump.
@@ -600,6 +630,12 @@ class TLSTransport(WriteGate):
         pieces = engine.data_to_send_many()
         if pieces and not lower.is_closing():
             lower.writelines(pieces)
+            if self._lower_paused and self._stage is not _Stage.HANDSHAKE:
+                self._answers += sum(map(len, pieces))
+                if self._answers > ANSWERS_MAX and not self._answers_wait:
+                    # The peer asks for answers and reads none of them.
+                    self._answers_wait = True
+                    lower.pause_reading()
         if self._held and not engine.held_plaintext:
             self._track([])
         if self._writing_paused:

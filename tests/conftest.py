@@ -234,6 +234,51 @@ class RawTLS:
             raise AssertionError("a forged record was accepted")
         return self.outgoing.read()
 
+    def request_key_update(self) -> None:
+        """Make the next record we seal a TLS 1.3 KeyUpdate that asks the
+        peer for one of its own (RFC 8446 4.6.3), which ``ssl`` has no call
+        for: OpenSSL's ``SSL_key_update`` on our ``SSLObject``'s ``SSL *``."""
+        if self._ssl_ptr is None:
+            self._ssl_ptr = _ssl_pointer(self.obj)
+        if not _libssl().SSL_key_update(self._ssl_ptr, 1):  # SSL_KEY_UPDATE_REQUESTED
+            raise AssertionError("SSL_key_update failed (not TLS 1.3?)")
+
+    _ssl_ptr: int | None = None
+
+
+def _libssl() -> Any:
+    """The libssl that the ``ssl`` module runs on: looked up through
+    ``_ssl``'s own extension module, whose dependencies dlsym searches."""
+    import ctypes
+    import _ssl
+
+    lib = ctypes.CDLL(_ssl.__file__)
+    lib.SSL_key_update.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.SSL_key_update.restype = ctypes.c_int
+    lib.SSL_version.argtypes = [ctypes.c_void_p]
+    lib.SSL_version.restype = ctypes.c_int
+    lib.SSL_is_server.argtypes = [ctypes.c_void_p]
+    lib.SSL_is_server.restype = ctypes.c_int
+    return lib
+
+
+def _ssl_pointer(obj: ssl.SSLObject) -> int:
+    """The ``SSL *`` of a client ``SSLObject`` after a TLS 1.3 handshake.
+
+    CPython's ``_ssl._SSLSocket`` (the object ``SSLObject._sslobj`` holds)
+    is a C struct that starts with the object header, then the socket's
+    weak reference, then the ``SSL *`` (Modules/_ssl.c, the same from 3.7
+    to 3.13). The pointer found there is checked with OpenSSL before use."""
+    import ctypes
+
+    inner = obj._sslobj  # type: ignore[attr-defined]
+    offset = 3 * ctypes.sizeof(ctypes.c_void_p)  # refcount, type, socket
+    ptr = ctypes.c_void_p.from_address(id(inner) + offset).value
+    lib = _libssl()
+    if not ptr or lib.SSL_version(ptr) != 0x0304 or lib.SSL_is_server(ptr) != 0:
+        raise AssertionError("no TLS 1.3 client SSL * found in the SSLObject")
+    return int(ptr)
+
 
 def records(wire: bytes) -> list[tuple[int, int, int]]:
     """(content type, offset, total length) of each record in ``wire``."""

@@ -32,6 +32,7 @@ import pytest
 
 import slabnet
 from conftest import RawTLS, client_ctx, records, server_ctx
+from test_writer_hardening import WAKE, shrink, small_listener  # noqa: F401 (a fixture)
 from slabnet._errors import TLSRecordError
 from slabnet._records import MAX_LENGTH_TLS12
 from slabnet._tls import _LEND_LOW, LEND_PIECE, MAX_FRAGMENT, TLSEngine, TLSState
@@ -671,3 +672,71 @@ async def test_handshake_timeout_message_is_asyncios(
     )
     assert isinstance(info.value, ConnectionAbortedError)
     assert isinstance(info.value, TimeoutError)
+
+
+# ------------------------------------------------ answers nobody reads
+
+
+@pytest.mark.asyncio
+async def test_key_update_requests_nobody_reads_stop_the_reads(
+    small_listener: socket.socket, tls_ca: Any, tls_server_context: ssl.SSLContext,
+) -> None:
+    # A TLS 1.3 peer may ask for a KeyUpdate in every record, and each
+    # request gets one of ours (RFC 8446 4.6.3). A peer that asked without
+    # ever reading made our answers queue without bound, 27 bytes per
+    # request at its sending rate, while the app wrote nothing (asyncio's
+    # and uvloop's SSL transports do the same). Once ANSWERS_MAX bytes of
+    # answers wait behind a paused queue, reading stops until the peer
+    # takes some; then it goes on, and every byte the peer sent arrives.
+    from slabnet._tls_transport import ANSWERS_MAX
+
+
+    loop = asyncio.get_running_loop()
+    served: asyncio.Future[slabnet.StreamWriter] = loop.create_future()
+    received: asyncio.Future[int] = loop.create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        served.set_result(writer)
+        n = 0
+        while chunk := await reader.read_chunk():
+            n += len(chunk)
+        received.set_result(n)
+        writer.close()
+
+    server = await slabnet.start_server(handle, sock=small_listener, ssl=tls_server_context)
+    sock = socket.socket()
+    shrink(sock)
+    await loop.sock_connect(sock, small_listener.getsockname())
+    peer = RawTLS(sock, client_ctx(tls_ca, TLS13), server_side=False, server_hostname="localhost")
+    try:
+        async with asyncio.timeout(WAKE):
+            await peer.handshake()
+            transport = (await served).transport
+        sent = 0
+        for _ in range(3000):  # far more answers than any socket buffers take
+            wire = b""
+            for _ in range(10):
+                peer.request_key_update()
+                wire += peer.seal(b"k")
+                sent += 1
+            async with asyncio.timeout(WAKE):
+                await peer.send(wire)
+                await asyncio.sleep(0)
+            if not transport.is_reading():
+                break
+        queued = transport.get_write_buffer_size()
+        assert not transport.is_reading(), f"still reading, {queued} bytes queued"
+        low, high = transport.get_write_buffer_limits()
+        assert queued <= low + ANSWERS_MAX + 64 * 1024, queued
+        # The peer reads (and drops) our answers: the reads go on.
+        async with asyncio.timeout(WAKE):
+            while not transport.is_reading():
+                await loop.sock_recv(sock, 65536)
+            await peer.send(peer.close_notify())
+            drained = asyncio.create_task(peer.linger())
+            assert await received == sent
+            await drained
+    finally:
+        sock.close()
+        server.close()
+        await server.wait_closed()
