@@ -484,11 +484,19 @@ class SlabTransport(WriteGate):
     def write_eof(self) -> None:
         if self._eof_requested or self._state is _State.CLOSED:
             return
+        if self._out and not self._waiting_writable:
+            self._flush()  # gathered writes first: asyncio's write() sent them
         self._eof_requested = True
-        if not self._out and not self._waiting_writable:
-            self._send_eof()
-        else:
-            self._flush()
+        if self._out or self._waiting_writable:
+            return  # the flush that empties the queue sends it (or fails)
+        # Now, as the loop's own transport does it, and with its error: on
+        # the asyncio loop a shutdown() that fails (ENOTCONN once the peer's
+        # reset has come) raises here and leaves the connection open for
+        # close(), as asyncio's write_eof() does; uvloop reports it later,
+        # as the connection's loss.
+        self._eof_sent = True
+        if not self._raw.is_closing():
+            self._raw.write_eof()
 
     def get_write_buffer_size(self) -> int:
         return self._out.queued

@@ -10,8 +10,10 @@ the asyncio loop and on uvloop, and bounds each wait, so a hang fails fast.
 from __future__ import annotations
 
 import asyncio
+import errno
 import socket
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
@@ -76,3 +78,69 @@ async def test_reader_buffer_shows_unread_bytes_without_consuming(
     finally:
         writer.close()
         peer.close()
+
+
+def tcp_state(sock: socket.socket) -> int:
+    """The kernel's TCP state of ``sock`` (TCP_INFO's first byte)."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+
+
+TCP_CLOSE = 7  # include/net/tcp_states.h: what a reset leaves
+
+
+async def eof_after_reset(
+    open_connection: Callable[..., Any], listener: socket.socket
+) -> tuple[int | None, int | None]:
+    """write_eof() once the peer's reset has come, then close(): the errno
+    each of write_eof() and wait_closed() raised (None: none)."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(WAKE):
+        opening = asyncio.ensure_future(open_connection(*listener.getsockname()))
+        peer, _ = await loop.sock_accept(listener)
+        reader, writer = await opening
+    peer.close()  # FIN; what we write next is answered with a reset
+    raised: list[int | None] = []
+    try:
+        async with asyncio.timeout(WAKE):
+            assert await reader.read() == b""
+            writer.write(b"x")
+            await writer.drain()
+        sock = writer.get_extra_info("socket")
+        await until(lambda: tcp_state(sock) == TCP_CLOSE, "the peer's reset")
+        try:
+            writer.write_eof()
+        except OSError as exc:
+            raised.append(exc.errno)
+        else:
+            raised.append(None)
+    finally:
+        writer.close()
+    try:
+        async with asyncio.timeout(WAKE):
+            await writer.wait_closed()
+    except OSError as exc:
+        raised.append(exc.errno)
+    else:
+        raised.append(None)
+    return raised[0], raised[1]
+
+
+@pytest.mark.asyncio
+async def test_write_eof_after_reset_fails_as_the_loops_own(
+    listener: socket.socket, loop_name: str
+) -> None:
+    # hypercorn ends a connection with write_eof() (OSError caught), then
+    # close() and wait_closed() (only ConnectionError and RuntimeError
+    # caught). A client that went away mid-request leaves a reset behind
+    # the response: on the asyncio loop asyncio's write_eof() raises
+    # ENOTCONN and the close is clean. slabnet took the error for the
+    # connection's loss instead, so wait_closed() raised it and the
+    # handler died ("Unhandled exception in client_connected_cb") without
+    # telling the app the client had gone. uvloop reports the failure as
+    # the loss (here, with close() right behind, not at all), for its
+    # streams and slabnet's alike.
+    theirs = await eof_after_reset(asyncio.open_connection, listener)
+    ours = await eof_after_reset(slabnet.open_connection, listener)
+    assert ours == theirs
+    if loop_name == "asyncio":
+        assert ours == (errno.ENOTCONN, None)
