@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 import slabnet
+from conftest import RawTLS, client_ctx, server_ctx
 
 WAKE = 5.0  # seconds any waiter may take to wake
 
@@ -144,3 +145,53 @@ async def test_write_eof_after_reset_fails_as_the_loops_own(
     assert ours == theirs
     if loop_name == "asyncio":
         assert ours == (errno.ENOTCONN, None)
+
+
+@pytest.mark.asyncio
+async def test_loop_start_tls_upgrades_a_slabnet_connection(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, loop_name: str
+) -> None:
+    # nats-py reads the server's INFO over plain TCP, then upgrades with
+    # loop.start_tls(writer.transport, asyncio.StreamReaderProtocol(...))
+    # and wraps the result in asyncio's own reader and writer. The asyncio
+    # loop's start_tls() refused slabnet's transport (TypeError: "is not
+    # supported by start_tls()"), and set_protocol() took only a
+    # ChunkProtocol, so no TLS connection to NATS could be made. uvloop's
+    # start_tls() takes only uvloop's own transports: there it stays a
+    # TypeError, as the README says.
+    loop = asyncio.get_running_loop()
+    reader, writer, peer = await connect(listener)
+    try:
+        await loop.sock_sendall(peer, b"INFO {}\r\n")
+        async with asyncio.timeout(WAKE):
+            assert await reader.readline() == b"INFO {}\r\n"
+        tls_reader = asyncio.StreamReader()
+        protocol = asyncio.StreamReaderProtocol(tls_reader)
+        upgrade = loop.start_tls(
+            writer.transport, protocol, client_ctx(tls_ca), server_hostname="localhost"
+        )
+        if loop_name == "uvloop":
+            with pytest.raises(TypeError, match="not supported by start_tls"):
+                await upgrade
+            return
+        tls = RawTLS(peer, server_ctx(server_cert), server_side=True)
+        async with asyncio.timeout(WAKE):
+            transport, _ = await asyncio.gather(upgrade, tls.handshake())
+        tls_writer = asyncio.StreamWriter(transport, protocol, tls_reader, loop)
+        assert transport.get_extra_info("ssl_object") is not None
+        big = bytes(range(256)) * 1024  # several records, several chunks
+        async with asyncio.timeout(WAKE):
+            tls_writer.write(b"CONNECT {}\r\n")
+            await tls_writer.drain()
+            assert await tls.recv_plain(12) == b"CONNECT {}\r\n"
+            await tls.send(tls.seal(b"+OK\r\n", big))
+            assert await tls_reader.readline() == b"+OK\r\n"
+            assert await tls_reader.readexactly(len(big)) == big
+            await tls.send(tls.close_notify())
+            assert await tls_reader.read() == b""
+            tls_writer.close()
+            await tls_writer.wait_closed()
+        assert writer.transport.is_closing()
+    finally:
+        writer.close()
+        peer.close()
