@@ -149,6 +149,25 @@ class StreamReader:
     def limit(self) -> int:
         return self._limit
 
+    @property
+    def _buffer(self) -> bytes:
+        """A copy of the bytes buffered and not yet read; nothing is consumed.
+
+        asyncio's reader keeps them in a ``bytearray`` of that name, and
+        clients read it to ask whether a response is waiting without
+        reading it (redis-py checks ``bool(reader._buffer)`` before reusing
+        a pooled connection, and ``len(...)`` for pending invalidations;
+        without the name every checkout failed with ``AttributeError``).
+        A snapshot, not a live buffer: ``len``, truth, ``find`` and slices
+        answer as asyncio's would; changing it in place fails loudly."""
+        if not self._size:
+            return b""
+        parts: list[_BytesLike] = list(self._chunks or ())
+        if parts:
+            parts[0] = parts[0][self._pos :]
+        parts.append(self._tail)
+        return b"".join(parts)
+
     # ------------------------------------------------ feeding (protocol side)
 
     def exception(self) -> BaseException | None:

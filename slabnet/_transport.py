@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import logging
 import os
 import ssl
@@ -297,6 +298,10 @@ class WriteGate(asyncio.Transport):
 class SlabTransport(WriteGate):
     """The transport of a plain connection. Made by ``SlabProtocol``."""
 
+    # The asyncio loop's start_tls() takes it (its SSLProtocol becomes the
+    # upper protocol through set_protocol()); uvloop's takes only its own.
+    _start_tls_compatible = True
+
     # (Slots: an idle server holds one of these per connection.)
     __slots__ = (
         "_proto", "_raw", "_loop", "_pool", "_state", "_closing", "_out", "_fd",
@@ -489,11 +494,19 @@ class SlabTransport(WriteGate):
     def write_eof(self) -> None:
         if self._eof_requested or self._state is _State.CLOSED:
             return
+        if self._out and not self._waiting_writable:
+            self._flush()  # gathered writes first: asyncio's write() sent them
         self._eof_requested = True
-        if not self._out and not self._waiting_writable:
-            self._send_eof()
-        else:
-            self._flush()
+        if self._out or self._waiting_writable:
+            return  # the flush that empties the queue sends it (or fails)
+        # Now, as the loop's own transport does it, and with its error: on
+        # the asyncio loop a shutdown() that fails (ENOTCONN once the peer's
+        # reset has come) raises here and leaves the connection open for
+        # close(), as asyncio's write_eof() does; uvloop reports it later,
+        # as the connection's loss.
+        self._eof_sent = True
+        if not self._raw.is_closing():
+            self._raw.write_eof()
 
     def get_write_buffer_size(self) -> int:
         return self._out.queued
@@ -810,6 +823,23 @@ def _as_bytes_view(data: Any) -> memoryview:
 # ---------------------------------------------------------------- protocol
 
 
+def _fill_buffers(protocol: asyncio.BufferedProtocol, chunk: memoryview) -> None:
+    """Hand ``chunk`` to an asyncio ``BufferedProtocol`` as the loop does:
+    copied into the buffers its ``get_buffer()`` returns."""
+    while chunk:
+        buf = memoryview(protocol.get_buffer(len(chunk))).cast("B")
+        n = min(len(buf), len(chunk))
+        if not n:
+            raise RuntimeError("get_buffer() returned an empty buffer")
+        buf[:n] = chunk[:n]
+        protocol.buffer_updated(n)
+        chunk = chunk[n:]
+
+
+def _data_received(protocol: asyncio.Protocol, chunk: memoryview) -> None:
+    protocol.data_received(chunk.tobytes())
+
+
 class SlabProtocol(asyncio.BufferedProtocol):
     """A ``BufferedProtocol`` that reads through the loop's slab.
 
@@ -895,13 +925,28 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._eof_held = False  # a read made while paused found the peer's FIN
 
     def set_upper(self, upper: Any) -> None:
-        """Make ``upper`` the protocol that gets this connection's chunks."""
+        """Make ``upper`` the protocol that gets this connection's chunks.
+
+        An asyncio protocol is taken too, as the loop's transports take
+        one (``loop.start_tls()`` hands the connection to asyncio's
+        ``SSLProtocol`` so): a ``BufferedProtocol`` has each chunk copied
+        into its buffers, a ``Protocol`` gets it as ``bytes``."""
         deliver = getattr(upper, "chunk_received", None)
+        borrows = bool(getattr(upper, "borrows_chunks", False))
         if deliver is None:
-            raise TypeError(f"{upper!r} has no chunk_received(): not a ChunkProtocol")
+            if isinstance(upper, asyncio.BufferedProtocol):
+                deliver = functools.partial(_fill_buffers, upper)
+            elif callable(getattr(upper, "data_received", None)):
+                deliver = functools.partial(_data_received, upper)
+            else:
+                raise TypeError(
+                    f"{upper!r} has no chunk_received(), data_received() or "
+                    f"get_buffer(): not a protocol"
+                )
+            borrows = True  # (both copy the chunk before they return)
         self.upper = upper
         self._deliver = deliver
-        self._borrows = bool(getattr(upper, "borrows_chunks", False))
+        self._borrows = borrows
 
     # ------------------------------------------------ loop callbacks
 
@@ -987,7 +1032,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
             if held is not None:  # what arrived before the end is delivered first
                 self._held = None
                 try:
-                    upper.chunk_received(held)
+                    self._deliver(held)
                 finally:
                     upper.connection_lost(err)
             else:

@@ -1,0 +1,197 @@
+"""Where slabnet's streams and asyncio's disagreed, found by running
+third-party libraries (redis-py's asyncio client, hypercorn) and their own
+test suites over slabnet's streams instead of asyncio's.
+
+Each test reproduces what the library ran into without the library: a
+slabnet stream on loopback sockets against a raw peer. Every test runs on
+the asyncio loop and on uvloop, and bounds each wait, so a hang fails fast.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import slabnet
+from conftest import RawTLS, client_ctx, server_ctx
+
+WAKE = 5.0  # seconds any waiter may take to wake
+
+
+async def connect(
+    listener: socket.socket,
+) -> tuple[slabnet.StreamReader, slabnet.StreamWriter, socket.socket]:
+    """A slabnet client connected to a raw peer accepted on ``listener``."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(WAKE):
+        opening = asyncio.ensure_future(
+            slabnet.open_connection(*listener.getsockname())
+        )
+        peer, _ = await loop.sock_accept(listener)
+        reader, writer = await opening
+    peer.setblocking(False)
+    return reader, writer, peer
+
+
+async def until(done: Callable[[], bool], what: str) -> None:
+    """Wait (a loop iteration at a time) until ``done()`` is true."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAKE
+    while not done():
+        if loop.time() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.asyncio
+async def test_reader_buffer_shows_unread_bytes_without_consuming(
+    listener: socket.socket,
+) -> None:
+    # redis-py asks whether a pooled connection has a response waiting with
+    # bool(reader._buffer) (asyncio's bytearray of unread bytes) and counts
+    # pending invalidations with len(reader._buffer). slabnet's reader had
+    # no such attribute: every checkout of a pooled connection raised
+    # AttributeError.
+    reader, writer, peer = await connect(listener)
+    loop = asyncio.get_running_loop()
+    try:
+        assert reader._buffer == b""
+        assert not reader._buffer
+        await loop.sock_sendall(peer, b"+first\r\n")
+        await until(lambda: len(reader._buffer) == 8, "8 bytes buffered")
+        # A small piece arriving while data is buffered is coalesced
+        # (the reader's tail), and counts too.
+        await loop.sock_sendall(peer, b"+second\r\n")
+        await until(lambda: len(reader._buffer) == 17, "17 bytes buffered")
+        assert reader._buffer == b"+first\r\n+second\r\n"
+        assert await reader.readexactly(3) == b"+fi"  # part of a chunk
+        assert reader._buffer == b"rst\r\n+second\r\n"
+        assert reader._buffer.find(b"\r\n") == 3
+        assert reader._buffer == b"rst\r\n+second\r\n"  # nothing consumed
+        assert await reader.readline() == b"rst\r\n"
+        assert await reader.readline() == b"+second\r\n"
+        assert reader._buffer == b""
+    finally:
+        writer.close()
+        peer.close()
+
+
+def tcp_state(sock: socket.socket) -> int:
+    """The kernel's TCP state of ``sock`` (TCP_INFO's first byte)."""
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]
+
+
+TCP_CLOSE = 7  # include/net/tcp_states.h: what a reset leaves
+
+
+async def eof_after_reset(
+    open_connection: Callable[..., Any], listener: socket.socket
+) -> tuple[int | None, int | None]:
+    """write_eof() once the peer's reset has come, then close(): the errno
+    each of write_eof() and wait_closed() raised (None: none)."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(WAKE):
+        opening = asyncio.ensure_future(open_connection(*listener.getsockname()))
+        peer, _ = await loop.sock_accept(listener)
+        reader, writer = await opening
+    peer.close()  # FIN; what we write next is answered with a reset
+    raised: list[int | None] = []
+    try:
+        async with asyncio.timeout(WAKE):
+            assert await reader.read() == b""
+            writer.write(b"x")
+            await writer.drain()
+        sock = writer.get_extra_info("socket")
+        await until(lambda: tcp_state(sock) == TCP_CLOSE, "the peer's reset")
+        try:
+            writer.write_eof()
+        except OSError as exc:
+            raised.append(exc.errno)
+        else:
+            raised.append(None)
+    finally:
+        writer.close()
+    try:
+        async with asyncio.timeout(WAKE):
+            await writer.wait_closed()
+    except OSError as exc:
+        raised.append(exc.errno)
+    else:
+        raised.append(None)
+    return raised[0], raised[1]
+
+
+@pytest.mark.asyncio
+async def test_write_eof_after_reset_fails_as_the_loops_own(
+    listener: socket.socket, loop_name: str
+) -> None:
+    # hypercorn ends a connection with write_eof() (OSError caught), then
+    # close() and wait_closed() (only ConnectionError and RuntimeError
+    # caught). A client that went away mid-request leaves a reset behind
+    # the response: on the asyncio loop asyncio's write_eof() raises
+    # ENOTCONN and the close is clean. slabnet took the error for the
+    # connection's loss instead, so wait_closed() raised it and the
+    # handler died ("Unhandled exception in client_connected_cb") without
+    # telling the app the client had gone. uvloop reports the failure as
+    # the loss (here, with close() right behind, not at all), for its
+    # streams and slabnet's alike.
+    theirs = await eof_after_reset(asyncio.open_connection, listener)
+    ours = await eof_after_reset(slabnet.open_connection, listener)
+    assert ours == theirs
+    if loop_name == "asyncio":
+        assert ours == (errno.ENOTCONN, None)
+
+
+@pytest.mark.asyncio
+async def test_loop_start_tls_upgrades_a_slabnet_connection(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, loop_name: str
+) -> None:
+    # nats-py reads the server's INFO over plain TCP, then upgrades with
+    # loop.start_tls(writer.transport, asyncio.StreamReaderProtocol(...))
+    # and wraps the result in asyncio's own reader and writer. The asyncio
+    # loop's start_tls() refused slabnet's transport (TypeError: "is not
+    # supported by start_tls()"), and set_protocol() took only a
+    # ChunkProtocol, so no TLS connection to NATS could be made. uvloop's
+    # start_tls() takes only uvloop's own transports: there it stays a
+    # TypeError, as the README says.
+    loop = asyncio.get_running_loop()
+    reader, writer, peer = await connect(listener)
+    try:
+        await loop.sock_sendall(peer, b"INFO {}\r\n")
+        async with asyncio.timeout(WAKE):
+            assert await reader.readline() == b"INFO {}\r\n"
+        tls_reader = asyncio.StreamReader()
+        protocol = asyncio.StreamReaderProtocol(tls_reader)
+        upgrade = loop.start_tls(
+            writer.transport, protocol, client_ctx(tls_ca), server_hostname="localhost"
+        )
+        if loop_name == "uvloop":
+            with pytest.raises(TypeError, match="not supported by start_tls"):
+                await upgrade
+            return
+        tls = RawTLS(peer, server_ctx(server_cert), server_side=True)
+        async with asyncio.timeout(WAKE):
+            transport, _ = await asyncio.gather(upgrade, tls.handshake())
+        tls_writer = asyncio.StreamWriter(transport, protocol, tls_reader, loop)
+        assert transport.get_extra_info("ssl_object") is not None
+        big = bytes(range(256)) * 1024  # several records, several chunks
+        async with asyncio.timeout(WAKE):
+            tls_writer.write(b"CONNECT {}\r\n")
+            await tls_writer.drain()
+            assert await tls.recv_plain(12) == b"CONNECT {}\r\n"
+            await tls.send(tls.seal(b"+OK\r\n", big))
+            assert await tls_reader.readline() == b"+OK\r\n"
+            assert await tls_reader.readexactly(len(big)) == big
+            await tls.send(tls.close_notify())
+            assert await tls_reader.read() == b""
+            tls_writer.close()
+            await tls_writer.wait_closed()
+        assert writer.transport.is_closing()
+    finally:
+        writer.close()
+        peer.close()
