@@ -61,7 +61,7 @@ from typing import Any, Final, cast
 from ._errors import LocalAbortError
 from ._slab import _Sealed
 from ._tls_transport import TLSTransport, check_ssl_timeout
-from ._transport import ChunkProtocol, SlabProtocol, SlabTransport
+from ._transport import ChunkProtocol, SlabProtocol, SlabTransport, awaiting_handshake
 
 #: What a stream runs over: a plain connection, or the TLS layer on one.
 _Transport = SlabTransport | TLSTransport
@@ -855,7 +855,7 @@ class StreamWriter:
         # the handshake runs is encrypted once it is done, never sent plain.
         self._transport = tls
         self._protocol._upgraded(tls)
-        await handshake
+        await awaiting_handshake(tls, handshake)
 
 
 # -------------------------------------------------------------------- openers
