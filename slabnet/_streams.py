@@ -795,7 +795,11 @@ class StreamWriter:
         return self._transport.is_closing()
 
     async def wait_closed(self) -> None:
-        await self._protocol._get_close_waiter()
+        # Shielded: the close future is the connection's, shared by every
+        # waiter. asyncio's awaits it bare, so one cancelled wait_closed()
+        # (a timeout around it) cancels it, and every later one raises
+        # CancelledError at once, in a task nobody cancelled.
+        await asyncio.shield(self._protocol._get_close_waiter())
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self._transport.get_extra_info(name, default)

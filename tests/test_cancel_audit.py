@@ -111,3 +111,50 @@ async def test_start_tls_cancelled_at_any_step_ends_the_connection(
     # The iteration that matters was stepped through: the handshake was
     # done, the caller not yet resumed.
     assert done_but_cancelled, "no step cancelled a completed handshake"
+
+
+# ------------------------------------------------- wait_closed() cancelled
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_a_cancelled_wait_closed_cancels_only_itself(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, tls: bool
+) -> None:
+    """``wait_closed()`` awaited the connection's one close future itself,
+    as asyncio's does, so cancelling it (a timeout around it) cancelled
+    that future: every later ``wait_closed()`` raised CancelledError at
+    once, in a task nobody had cancelled, and before the connection was
+    closed. Now each await is cancelled alone, and a later one returns once
+    the connection is closed."""
+    loop = asyncio.get_running_loop()
+    for steps in range(4):
+        kw: dict[str, Any] = {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
+        opening = asyncio.ensure_future(slabnet.open_connection(*listener.getsockname(), **kw))
+        conn, _ = await loop.sock_accept(listener)
+        peer = RawTLS(conn, server_ctx(server_cert), server_side=True) if tls else None
+        try:
+            async with asyncio.timeout(WAKE):
+                if peer is not None:
+                    await peer.handshake()
+                reader, writer = await opening
+                # Waits for a close nobody has asked for yet.
+                waiting = asyncio.ensure_future(writer.wait_closed())
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+                waiting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiting
+                again = asyncio.ensure_future(writer.wait_closed())
+                await asyncio.sleep(0)
+                assert not again.done(), f"step {steps}: {again!r} before close()"
+                writer.close()
+                if peer is not None:  # (over TLS the close waits for the peer's close_notify)
+                    await peer.recv_plain(0)
+                    await peer.send(peer.close_notify())
+                await again  # returns, once closed
+                assert writer.transport.get_protocol() is None  # (connection_lost ran)
+        finally:
+            conn.close()
+            if opening.done() and not opening.cancelled() and not opening.exception():
+                opening.result()[1].transport.abort()
