@@ -61,7 +61,7 @@ from typing import Any, Final, cast
 from ._errors import LocalAbortError
 from ._slab import _Sealed
 from ._tls_transport import TLSTransport, check_ssl_timeout
-from ._transport import ChunkProtocol, SlabProtocol, SlabTransport
+from ._transport import ChunkProtocol, SlabProtocol, SlabTransport, awaiting_handshake
 
 #: What a stream runs over: a plain connection, or the TLS layer on one.
 _Transport = SlabTransport | TLSTransport
@@ -814,7 +814,11 @@ class StreamWriter:
         return self._transport.is_closing()
 
     async def wait_closed(self) -> None:
-        await self._protocol._get_close_waiter()
+        # Shielded: the close future is the connection's, shared by every
+        # waiter. asyncio's awaits it bare, so one cancelled wait_closed()
+        # (a timeout around it) cancels it, and every later one raises
+        # CancelledError at once, in a task nobody cancelled.
+        await asyncio.shield(self._protocol._get_close_waiter())
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self._transport.get_extra_info(name, default)
@@ -874,7 +878,7 @@ class StreamWriter:
         # the handshake runs is encrypted once it is done, never sent plain.
         self._transport = tls
         self._protocol._upgraded(tls)
-        await handshake
+        await awaiting_handshake(tls, handshake)
 
 
 # -------------------------------------------------------------------- openers

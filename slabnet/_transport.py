@@ -517,7 +517,7 @@ class SlabTransport(WriteGate):
         """Upgrade this connection to TLS (STARTTLS); return the TLS transport
         once the handshake is done. Keywords as for ``upgrade_tls``."""
         tls, handshake = self.upgrade_tls(sslcontext, **kwargs)
-        await handshake
+        await awaiting_handshake(tls, handshake)
         return tls
 
     def upgrade_tls(
@@ -794,6 +794,24 @@ class SlabTransport(WriteGate):
 
     def __repr__(self) -> str:
         return f"<SlabTransport {self._state.value} raw={self._raw!r}>"
+
+
+async def awaiting_handshake(tls: asyncio.Transport, handshake: asyncio.Future[None]) -> None:
+    """Await a STARTTLS handshake; a caller that gives up on it ends the
+    connection, whatever the handshake's state.
+
+    A cancellation during the handshake aborts it (the TLS layer sees its
+    waiter cancelled). One that comes after the handshake completed but
+    before the caller resumed cannot be seen there: the caller gets
+    CancelledError all the same and takes the upgrade for abandoned, so the
+    connection ends then too, as asyncio's ``start_tls`` closes its
+    transport whenever its await of the handshake raises."""
+    try:
+        await handshake
+    except BaseException:
+        if not tls.is_closing():
+            tls.abort()
+        raise
 
 
 def _keep(view: memoryview) -> memoryview:

@@ -1,0 +1,160 @@
+"""Cancellation at every await of the streams API, plain and TLS, on both
+loops: regressions found by cancelling each operation after 0, 1, 2, ...
+loop iterations and comparing with asyncio's streams.
+
+Real loopback sockets, real TLS (trustme certificates), raw peers whose
+bytes the test picks (``conftest.RawTLS``). Tests step by loop iterations
+or wait for explicit events; none depends on a sleep being long enough.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from typing import Any
+
+import pytest
+
+import slabnet
+from conftest import RawTLS, client_ctx, server_ctx
+
+WAKE = 5.0  # seconds any wait may take before the test fails
+STEPS = 16  # loop iterations: more than any handshake below takes on loopback
+
+
+async def peer_sees_the_end(sock: socket.socket) -> None:
+    """Read (and drop) until the connection ends: FIN or RST."""
+    loop = asyncio.get_running_loop()
+    async with asyncio.timeout(WAKE):
+        try:
+            while await loop.sock_recv(sock, 65536):
+                pass
+        except ConnectionResetError:
+            pass
+
+
+async def stop(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` and wait until it is done."""
+    task.cancel()
+    await asyncio.wait([task])
+
+
+# ------------------------------------------------- STARTTLS cancelled at each step
+
+
+@pytest.mark.parametrize("api", ["writer", "transport"])
+@pytest.mark.parametrize("side", ["client", "server"])
+@pytest.mark.asyncio
+async def test_start_tls_cancelled_at_any_step_ends_the_connection(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, side: str, api: str
+) -> None:
+    """asyncio's start_tls closes the transport whenever its await of the
+    handshake raises, also when the handshake had just completed and the
+    cancellation came before the caller resumed. slabnet aborted only a
+    handshake still in progress: cancelled in that iteration, start_tls()
+    raised CancelledError on a connection that stayed open, upgraded, and
+    that the caller believed abandoned. (``SlabTransport.start_tls`` alike.)"""
+    loop = asyncio.get_running_loop()
+    done_but_cancelled = 0
+    for steps in range(STEPS):
+        if side == "client":
+            reader, writer = await slabnet.open_connection(*listener.getsockname())
+            conn, _ = await loop.sock_accept(listener)
+            peer = RawTLS(conn, server_ctx(server_cert), server_side=True)
+            ctx, hostname = client_ctx(tls_ca), "localhost"
+        else:
+            accepted: asyncio.Future[Any] = loop.create_future()
+
+            async def handler(r: slabnet.StreamReader, w: slabnet.StreamWriter) -> None:
+                accepted.set_result((r, w))
+
+            server = await slabnet.start_server(handler, "127.0.0.1", 0)
+            conn = socket.create_connection(server.sockets[0].getsockname())
+            reader, writer = await asyncio.wait_for(accepted, WAKE)
+            server.close()
+            peer = RawTLS(conn, client_ctx(tls_ca), server_side=False, server_hostname="localhost")
+            ctx, hostname = server_ctx(server_cert), None
+        handshake = asyncio.ensure_future(peer.handshake())
+        plain = writer.transport
+        assert isinstance(plain, slabnet.SlabTransport)
+        try:
+            if api == "writer":
+                upgrading = writer.start_tls(ctx, server_hostname=hostname)
+            else:
+                upgrading = plain.start_tls(
+                    ctx, server_side=side == "server", server_hostname=hostname
+                )
+            upgrade = asyncio.ensure_future(upgrading)
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            if upgrade.done():
+                await upgrade  # it completed: the connection is the caller's
+                break
+            tls = plain.get_protocol()  # (the TLS layer, once start_tls ran)
+            shaken = isinstance(tls, slabnet.TLSTransport) and tls.get_extra_info("cipher") is not None
+            upgrade.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await upgrade
+            done_but_cancelled += shaken
+            if steps:  # (at step 0 start_tls never ran: nothing to end)
+                assert plain.is_closing(), f"step {steps}: a cancelled start_tls left it open"
+                assert writer.is_closing()
+                await stop(handshake)  # (one reader of the socket at a time)
+                await peer_sees_the_end(conn)
+        finally:
+            await stop(handshake)  # (before its socket's descriptor is reused)
+            writer.transport.abort()
+            plain.abort()
+            conn.close()
+    else:
+        raise AssertionError(f"start_tls never completed in {STEPS} steps")
+    # The iteration that matters was stepped through: the handshake was
+    # done, the caller not yet resumed.
+    assert done_but_cancelled, "no step cancelled a completed handshake"
+
+
+# ------------------------------------------------- wait_closed() cancelled
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_a_cancelled_wait_closed_cancels_only_itself(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, tls: bool
+) -> None:
+    """``wait_closed()`` awaited the connection's one close future itself,
+    as asyncio's does, so cancelling it (a timeout around it) cancelled
+    that future: every later ``wait_closed()`` raised CancelledError at
+    once, in a task nobody had cancelled, and before the connection was
+    closed. Now each await is cancelled alone, and a later one returns once
+    the connection is closed."""
+    loop = asyncio.get_running_loop()
+    for steps in range(4):
+        kw: dict[str, Any] = {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
+        opening = asyncio.ensure_future(slabnet.open_connection(*listener.getsockname(), **kw))
+        conn, _ = await loop.sock_accept(listener)
+        peer = RawTLS(conn, server_ctx(server_cert), server_side=True) if tls else None
+        try:
+            async with asyncio.timeout(WAKE):
+                if peer is not None:
+                    await peer.handshake()
+                reader, writer = await opening
+                # Waits for a close nobody has asked for yet.
+                waiting = asyncio.ensure_future(writer.wait_closed())
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+                waiting.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await waiting
+                again = asyncio.ensure_future(writer.wait_closed())
+                await asyncio.sleep(0)
+                assert not again.done(), f"step {steps}: {again!r} before close()"
+                writer.close()
+                if peer is not None:  # (over TLS the close waits for the peer's close_notify)
+                    await peer.recv_plain(0)
+                    await peer.send(peer.close_notify())
+                await again  # returns, once closed
+                assert writer.transport.get_protocol() is None  # (connection_lost ran)
+        finally:
+            conn.close()
+            if opening.done() and not opening.cancelled() and not opening.exception():
+                opening.result()[1].transport.abort()
