@@ -19,33 +19,9 @@ import pytest
 
 import slabnet
 from conftest import RawTLS, client_ctx, server_ctx
+from test_asyncio_parity import connect, until
 
 WAKE = 5.0  # seconds any waiter may take to wake
-
-
-async def connect(
-    listener: socket.socket,
-) -> tuple[slabnet.StreamReader, slabnet.StreamWriter, socket.socket]:
-    """A slabnet client connected to a raw peer accepted on ``listener``."""
-    loop = asyncio.get_running_loop()
-    async with asyncio.timeout(WAKE):
-        opening = asyncio.ensure_future(
-            slabnet.open_connection(*listener.getsockname())
-        )
-        peer, _ = await loop.sock_accept(listener)
-        reader, writer = await opening
-    peer.setblocking(False)
-    return reader, writer, peer
-
-
-async def until(done: Callable[[], bool], what: str) -> None:
-    """Wait (a loop iteration at a time) until ``done()`` is true."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAKE
-    while not done():
-        if loop.time() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.005)
 
 
 @pytest.mark.asyncio
