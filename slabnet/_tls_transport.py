@@ -514,8 +514,7 @@ class TLSTransport(WriteGate):
             return
         if self._reading_paused:
             self._reading_paused = False
-            if not self._answers_wait:
-                lower.resume_reading()
+            self._resume_lower(held=False)  # (the pump below reads what is held)
         # What arrived while reading was paused (it may hold the peer's
         # close_notify), and plaintext the shutdown took out of OpenSSL,
         # is read now: nothing new may ever arrive to start the pump.

@@ -504,9 +504,7 @@ class SlabTransport(WriteGate):
         # reset has come) raises here and leaves the connection open for
         # close(), as asyncio's write_eof() does; uvloop reports it later,
         # as the connection's loss.
-        self._eof_sent = True
-        if not self._raw.is_closing():
-            self._raw.write_eof()
+        self._send_eof()
 
     def get_write_buffer_size(self) -> int:
         return self._out.queued
@@ -648,7 +646,10 @@ class SlabTransport(WriteGate):
         self._check_pause()
         if not out:
             if self._eof_requested and not self._eof_sent:
-                self._send_eof()
+                try:
+                    self._send_eof()
+                except OSError as exc:  # (no caller to raise it to)
+                    self._abort(exc)
             if self._state is _State.CLOSING:
                 self._maybe_close_raw()
 
@@ -736,15 +737,12 @@ class SlabTransport(WriteGate):
             self._dupfd = -1
 
     def _send_eof(self) -> None:
-        # The loop's transport never wrote, so it shuts down at once
-        # (uvloop: once libuv's empty write queue is done).
+        """Shut our direction down; raises what the shutdown raises. The
+        loop's transport never wrote, so it shuts down at once (uvloop:
+        once libuv's empty write queue is done)."""
         self._eof_sent = True
-        if self._raw.is_closing():
-            return
-        try:
+        if not self._raw.is_closing():
             self._raw.write_eof()
-        except OSError as exc:
-            self._abort(exc)
 
     # ------------------------------------------------ the protocol's side
 
