@@ -34,6 +34,17 @@ async def accept(listener: socket.socket) -> socket.socket:
 # ------------------------------------------------- the peer's FIN during the handshake
 
 
+async def recv_record(conn: socket.socket) -> bytes:
+    """Read one whole TLS record (header and body) from ``conn``."""
+    loop = asyncio.get_running_loop()
+    data = b""
+    while len(data) < 5 or len(data) < 5 + int.from_bytes(data[3:5], "big"):
+        more = await loop.sock_recv(conn, 65536)
+        assert more, f"EOF after {len(data)} bytes of a record"
+        data += more
+    return data
+
+
 @pytest.mark.parametrize("stage", ["before_hello", "after_hello", "mid_flight"])
 @pytest.mark.asyncio
 async def test_fin_during_the_handshake_is_connection_reset(
@@ -46,9 +57,13 @@ async def test_fin_during_the_handshake_is_connection_reset(
     async def peer() -> None:
         conn = await accept(listener)
         try:
+            # The whole ClientHello is read first in every stage: closing a
+            # socket with bytes unread sends an RST instead of the FIN, and
+            # the client's read would fail with the kernel's ECONNRESET.
+            hello = await recv_record(conn)
             if stage != "before_hello":
                 tls = RawTLS(conn, server_ctx(server_cert), server_side=True)
-                tls.incoming.write(await loop.sock_recv(conn, 65536))
+                tls.incoming.write(hello)
                 if stage == "mid_flight":
                     try:
                         tls.obj.do_handshake()
