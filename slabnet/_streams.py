@@ -99,6 +99,35 @@ _COALESCE_BELOW: Final = 1024
 _BytesLike = bytes | bytearray | memoryview
 
 
+class _BufferCopy(bytes):
+    """What ``StreamReader._buffer`` returns: a ``bytes`` copy of the unread
+    bytes that takes ``copy[0:0] = data`` and puts ``data`` back in front
+    of them in the reader (the copy itself does not change)."""
+
+    _reader: StreamReader
+
+    def __new__(cls, data: bytes, reader: StreamReader) -> _BufferCopy:
+        self = super().__new__(cls, data)
+        self._reader = reader
+        return self
+
+    def __setitem__(self, key: slice, value: _BytesLike) -> None:
+        if not (
+            isinstance(key, slice)
+            and key.start in (None, 0) and key.stop == 0 and key.step is None
+        ):
+            raise TypeError(_ONLY_PUT_BACK)
+        self._reader._put_back(value)
+
+    def __delitem__(self, key: slice) -> None:
+        raise TypeError(_ONLY_PUT_BACK)
+
+
+_ONLY_PUT_BACK: Final = (
+    "a slabnet reader's _buffer takes only bytes put back in front (_buffer[0:0] = data)"
+)
+
+
 class StreamReader:
     """A drop-in for ``asyncio.StreamReader`` with zero-copy chunk reads."""
 
@@ -150,7 +179,7 @@ class StreamReader:
         return self._limit
 
     @property
-    def _buffer(self) -> bytes:
+    def _buffer(self) -> _BufferCopy:
         """A copy of the bytes buffered and not yet read; nothing is consumed.
 
         asyncio's reader keeps them in a ``bytearray`` of that name, and
@@ -159,14 +188,24 @@ class StreamReader:
         a pooled connection, and ``len(...)`` for pending invalidations;
         without the name every checkout failed with ``AttributeError``).
         A snapshot, not a live buffer: ``len``, truth, ``find`` and slices
-        answer as asyncio's would; changing it in place fails loudly."""
+        answer as asyncio's would. The one change it takes is asyncio's way
+        of putting bytes back in front, ``_buffer[0:0] = data`` (pproxy
+        reads a connection's first bytes to guess its protocol, then puts
+        them back so); any other raises ``TypeError``."""
         if not self._size:
-            return b""
+            return _BufferCopy(b"", self)
         parts: list[_BytesLike] = list(self._chunks or ())
         if parts:
             parts[0] = parts[0][self._pos :]
         parts.append(self._tail)
-        return b"".join(parts)
+        return _BufferCopy(b"".join(parts), self)
+
+    def _put_back(self, data: _BytesLike) -> None:
+        """Put a copy of ``data`` in front of the unread bytes."""
+        data = bytes(memoryview(data))
+        if data:
+            self._unread([memoryview(data)])
+            self._wakeup_waiter()
 
     # ------------------------------------------------ feeding (protocol side)
 

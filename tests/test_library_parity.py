@@ -171,3 +171,44 @@ async def test_loop_start_tls_upgrades_a_slabnet_connection(
     finally:
         writer.close()
         peer.close()
+
+
+@pytest.mark.asyncio
+async def test_bytes_put_back_through_buffer_come_first(listener: socket.socket) -> None:
+    # pproxy serves HTTP, SOCKS4/5 and more on one port: each protocol's
+    # guess() reads the first byte(s) and puts them back with
+    # reader._buffer[0:0] = header (asyncio's bytearray) for the next guess
+    # or for the protocol that matched. slabnet's _buffer was a bytes copy,
+    # so the put-back raised TypeError, pproxy dropped the connection, and
+    # no client could use a pproxy server over slabnet.
+    reader, writer, peer = await connect(listener)
+    loop = asyncio.get_running_loop()
+    try:
+        request = b"CONNECT example.org:443 HTTP/1.1\r\n\r\n"
+        await loop.sock_sendall(peer, request + b"\x16\x03\x01")
+        async with asyncio.timeout(WAKE):
+            header = await reader.read(1)  # (what arrived comes as one read)
+            assert header == b"C"
+            reader._buffer[0:0] = header  # not SOCKS: put back, try HTTP
+            header = await reader.readexactly(7)
+            assert header == b"CONNECT"
+            reader._buffer[0:0] = header
+            assert await reader.readuntil(b"\r\n\r\n") == request
+            assert await reader.readexactly(3) == b"\x16\x03\x01"
+            # Put back into an empty buffer: a read waiting in another
+            # task (pproxy's channel) gets it.
+            pending = asyncio.ensure_future(reader.read(100))
+            await asyncio.sleep(0)
+            reader._buffer[0:0] = bytearray(b"back")
+            assert await pending == b"back"
+            reader._buffer[:0] = b"again"
+            await loop.sock_sendall(peer, b" and more")
+            await until(lambda: len(reader._buffer) == 14, "14 bytes buffered")
+            assert await reader.readexactly(14) == b"again and more"
+        with pytest.raises(TypeError):
+            reader._buffer[0:1] = b"x"  # only a put-back in front
+        with pytest.raises(TypeError):
+            del reader._buffer[:1]
+    finally:
+        writer.close()
+        peer.close()
