@@ -128,12 +128,54 @@ _ONLY_PUT_BACK: Final = (
 )
 
 
+class _FeedData:
+    """``StreamReader.feed_data``: the method, and one that code may replace
+    on a reader with effect.
+
+    asyncio's protocol calls ``reader.feed_data(data)`` for every read, so
+    code that assigns ``reader.feed_data = f`` sees every byte the
+    connection brings (pproxy decrypts its shadowsocks ciphers and unframes
+    websockets so, ``f`` calling the method it replaced). slabnet's
+    transport hands chunks to ``_feed_chunk`` instead, one lookup fewer per
+    read; the assignment therefore also puts a ``_feed_chunk`` on the reader
+    that passes each chunk to ``f`` as ``bytes``, what asyncio's passes. A
+    reader nobody changed pays nothing for this.
+    """
+
+    __slots__ = ("_method",)
+
+    def __init__(self, method: Callable[[StreamReader, _BytesLike], None]) -> None:
+        self._method = method
+
+    def __get__(self, reader: StreamReader | None, owner: type | None = None) -> Any:
+        if reader is None:
+            return self._method
+        replaced = reader.__dict__.get("feed_data")
+        if replaced is not None:
+            return replaced
+        return self._method.__get__(reader, owner)
+
+    def __set__(self, reader: StreamReader, feed: Callable[[bytes], object]) -> None:
+        reader.__dict__["feed_data"] = feed
+        reader.__dict__["_feed_chunk"] = lambda chunk: feed(chunk.tobytes())
+
+    def __delete__(self, reader: StreamReader) -> None:
+        reader.__dict__.pop("feed_data", None)
+        reader.__dict__.pop("_feed_chunk", None)
+
+
 class StreamReader:
     """A drop-in for ``asyncio.StreamReader`` with zero-copy chunk reads."""
 
     # What asyncio.StreamReaderProtocol reads of its reader, so that one can
     # feed a slabnet reader (loop.connect_read_pipe, subprocess pipes).
     _source_traceback = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "feed_data" in cls.__dict__ and "_feed_chunk" not in cls.__dict__:
+            # A subclass's own feed_data hears every read, as on asyncio's.
+            setattr(cls, "_feed_chunk", _feed_through_feed_data)
 
     def __init__(
         self, limit: int = _DEFAULT_LIMIT, loop: asyncio.AbstractEventLoop | None = None
@@ -200,6 +242,20 @@ class StreamReader:
         parts.append(self._tail)
         return _BufferCopy(b"".join(parts), self)
 
+    @_buffer.setter
+    def _buffer(self, data: _BytesLike) -> None:
+        """Replace the unread bytes with a copy of ``data``: code written
+        for asyncio's reader takes them so (pproxy, before it feeds them
+        through the ``feed_data`` it put in place: ``reader._buffer, buf =
+        bytearray(), reader._buffer``)."""
+        data = bytes(memoryview(data))
+        self._chunks = None
+        self._pos = 0
+        self._tail = _Sealed()
+        self._size = 0
+        self._put_back(data)
+        self._maybe_resume()
+
     def _put_back(self, data: _BytesLike) -> None:
         """Put a copy of ``data`` in front of the unread bytes."""
         data = bytes(memoryview(data))
@@ -229,7 +285,7 @@ class StreamReader:
         """True if the buffer is empty and EOF was received."""
         return self._eof and not self._size
 
-    def feed_data(self, data: bytes | bytearray | memoryview) -> None:
+    def _feed_data(self, data: bytes | bytearray | memoryview) -> None:
         """asyncio-compatible: queue a copy of ``data``."""
         if self._eof:
             raise AssertionError("feed_data after feed_eof")
@@ -237,10 +293,13 @@ class StreamReader:
             return  # (None too, as asyncio's)
         # (memoryview() first: bytes(5) would be five zero bytes, where
         # asyncio's raises TypeError for anything not bytes-like.)
-        self._feed_chunk(memoryview(bytes(memoryview(data))))
+        self._put_chunk(memoryview(bytes(memoryview(data))))
 
-    def _feed_chunk(self, chunk: memoryview) -> None:
-        # The hot path: the transport calls this for every chunk.
+    feed_data = _FeedData(_feed_data)
+
+    def _put_chunk(self, chunk: memoryview) -> None:
+        # The hot path: the transport calls this for every chunk, as
+        # _feed_chunk (unless feed_data was replaced: _FeedData).
         size = self._size
         if not size:
             # The consumer keeps up (and the tail is empty): kept as it came.
@@ -269,6 +328,8 @@ class StreamReader:
                     self._transport = None
                 else:
                     self._paused = True
+
+    _feed_chunk = _put_chunk
 
     def _seal_tail(self) -> None:
         """Move the coalesced small chunks into the chunk queue as one chunk.
@@ -624,6 +685,12 @@ class StreamReader:
         if val == b"":
             raise StopAsyncIteration
         return val
+
+
+
+def _feed_through_feed_data(reader: StreamReader, chunk: memoryview) -> None:
+    """``_feed_chunk`` of a StreamReader subclass with its own ``feed_data``."""
+    reader.feed_data(chunk.tobytes())
 
 
 class _ChunkIterator:

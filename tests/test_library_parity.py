@@ -212,3 +212,100 @@ async def test_bytes_put_back_through_buffer_come_first(listener: socket.socket)
     finally:
         writer.close()
         peer.close()
+
+
+def _xor(data: bytes) -> bytes:
+    return bytes(b ^ 0x5A for b in data)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_a_feed_data_put_in_place_on_a_reader_hears_every_read(
+    server_cert: Any, tls_ca: Any, tls: bool
+) -> None:
+    # pproxy's shadowsocks ciphers (and its websocket unframing) replace
+    # feed_data on a connection's reader with one that decrypts and calls
+    # the replaced one, and feed what was already buffered through it:
+    # reader._buffer, buf = bytearray(), reader._buffer. asyncio's protocol
+    # calls reader.feed_data() for every read. slabnet's handed chunks to
+    # the reader without it, and _buffer could not be assigned: no byte
+    # ever reached the cipher.
+    head = b"buffered before the cipher was in place, "
+    rest = b"and everything after it. " * 2000  # many reads; TLS: many records
+    kinds: set[type] = set()
+    result: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        try:
+            assert await reader.readexactly(4) == b"key:"
+            await until(lambda: len(reader._buffer) == len(head), "the head buffered")
+            reader._buffer, buf = bytearray(), reader._buffer  # pproxy's moves
+            assert not reader._buffer
+
+            def feed_data(data: bytes, feed: Callable[[bytes], None] = reader.feed_data) -> None:
+                if data is not buf:
+                    kinds.add(type(data))  # what the connection passes
+                feed(_xor(data))
+
+            reader.feed_data = feed_data  # type: ignore[method-assign]
+            feed_data(buf)
+            writer.write(b"ok")
+            result.set_result(await reader.readexactly(len(head) + len(rest)))
+        except BaseException as exc:
+            if not result.done():
+                result.set_exception(exc)
+            raise
+        finally:
+            writer.close()
+
+    server = await slabnet.start_server(
+        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
+    )
+    try:
+        async with asyncio.timeout(WAKE):
+            reader, writer = await asyncio.open_connection(
+                *server.sockets[0].getsockname()[:2],
+                ssl=client_ctx(tls_ca) if tls else None,
+                server_hostname="localhost" if tls else None,
+            )
+            writer.write(b"key:" + _xor(head))
+            assert await reader.readexactly(2) == b"ok"
+            writer.write(_xor(rest))
+            assert await result == head + rest
+            writer.close()
+    finally:
+        server.close()
+    assert kinds == {bytes}, "bytes, as asyncio's protocol passes"
+
+
+@pytest.mark.asyncio
+async def test_a_reader_subclass_with_its_own_feed_data_hears_every_read(
+    listener: socket.socket,
+) -> None:
+    # A StreamReader subclass that defines feed_data (to count, unframe or
+    # decode) expects it to be called for every read, as asyncio's
+    # protocol calls it. slabnet's transport went past it.
+    loop = asyncio.get_running_loop()
+
+    class Upper(slabnet.StreamReader):
+        def feed_data(self, data: bytes | bytearray | memoryview) -> None:
+            super().feed_data(bytes(data).upper())
+
+    reader = Upper()
+    async with asyncio.timeout(WAKE):
+        opening = asyncio.ensure_future(loop.create_connection(
+            lambda: slabnet.SlabProtocol(slabnet._streams._StreamProtocol(reader)),
+            *listener.getsockname(),
+        ))
+        peer, _ = await loop.sock_accept(listener)
+        transport, _ = await opening
+    try:
+        await loop.sock_sendall(peer, b"shouted ")
+        await until(lambda: len(reader._buffer) == 8, "the first read buffered")
+        await loop.sock_sendall(peer, b"from the start")
+        peer.close()
+        async with asyncio.timeout(WAKE):
+            assert await reader.read() == b"SHOUTED FROM THE START"
+    finally:
+        transport.close()
+        peer.close()
