@@ -169,12 +169,19 @@ class RawTLS:
         data = await self.loop.sock_recv(self.sock, 65536)
         if not data:
             raise ConnectionResetError("RawTLS: peer closed")
+        self.first_in = self.first_in or data
         self.incoming.write(data)
 
     async def flush(self) -> None:
         data = self.outgoing.read()
         if data:
+            self.first_out = self.first_out or data
             await self.loop.sock_sendall(self.sock, data)
+
+    # The first bytes received and sent (the server's is its ServerHello
+    # flight, for ForgedTLS12).
+    first_in = b""
+    first_out = b""
 
     async def handshake(self) -> None:
         while True:
@@ -288,9 +295,10 @@ class ForgedTLS12:
         return struct.pack("!BHH", ctype, 0x0303, len(body)) + body
 
 
-def forging_client_ctx(ca: Any, keylog: str) -> ssl.SSLContext:
-    """A TLS 1.2 client context whose sessions ``ForgedTLS12`` can seal for."""
-    ctx = client_ctx(ca, ssl.TLSVersion.TLSv1_2)
+def forgeable(ctx: ssl.SSLContext, keylog: str) -> ssl.SSLContext:
+    """``ctx`` (a RawTLS peer's) made to negotiate sessions ``ForgedTLS12``
+    can seal for: TLS 1.2, AES-128-GCM, keys written to ``keylog``."""
+    ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_2
     ctx.set_ciphers("ECDHE+AESGCM:!AES256")
     ctx.keylog_filename = keylog
     return ctx

@@ -31,7 +31,7 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import ForgedTLS12, RawTLS, client_ctx, forging_client_ctx, records, server_ctx
+from conftest import ForgedTLS12, RawTLS, client_ctx, forgeable, records, server_ctx
 from test_writer_hardening import WAKE, shrink, small_listener  # noqa: F401 (a fixture)
 from slabnet._errors import TLSRecordError
 from slabnet._records import MAX_LENGTH_TLS12
@@ -688,7 +688,7 @@ def test_renegotiation_refusals_keep_the_outgoing_bio_small(
     # grew the BIO to 1.8 MiB, which a MemoryBIO keeps for the life of the
     # connection. Now they are taken out between the reads of a batch.
     keylog = str(tmp_path / "keylog")
-    c = TLSEngine(forging_client_ctx(tls_ca, keylog), server_hostname="localhost")
+    c = TLSEngine(forgeable(client_ctx(tls_ca), keylog), server_hostname="localhost")
     s = TLSEngine(server_ctx(server_cert, TLS12), server_side=True)
     flight = b""
     while not (c.do_handshake() and s.state is TLSState.OPEN):
