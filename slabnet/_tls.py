@@ -334,6 +334,8 @@ class TLSEngine:
         "_lent_pos",
         "_shutdown_after_writes",
         "_sealed",
+        "answers_limit",
+        "answers_stopped",
         "read_calls",
         "chunks_returned",
         "want_read_errors",
@@ -390,6 +392,11 @@ class TLSEngine:
         self._shutdown_after_writes = False
         # Ciphertext already taken out of the outgoing BIO (see WRITE_SLICE).
         self._sealed: list[bytes] = []
+        # read_chunk() returns None early, answers_stopped True, once reads
+        # made this much output of their own (0: never): the shell sends it,
+        # and may stop reading, before the rest of a read is answered.
+        self.answers_limit = 0
+        self.answers_stopped = False
         # Counters for tests and benchmarks.
         self.read_calls = 0  # SSLObject.read calls
         self.chunks_returned = 0  # non-empty chunks from read_chunk()
@@ -587,8 +594,11 @@ class TLSEngine:
         be decrypted from what has arrived (or the handshake is not done);
         the empty memoryview at clean EOF, again on every later call.  A
         pending error is raised once every byte in front of it was returned,
-        and again on every later call.
+        and again on every later call.  With ``answers_limit`` set, None
+        also comes (``answers_stopped`` True) once reads made that much
+        output of their own: send ``data_to_send_many()``, then call again.
         """
+        self.answers_stopped = False
         final = self._read_final
         if final is not None:
             if final is _EOF:
@@ -648,6 +658,10 @@ class TLSEngine:
                 # read of a peer that asks for them in every record would
                 # grow the BIO, for good, to several times the read.
                 self._seal_if_full()
+                limit = self.answers_limit
+                if limit and (self._sealed or self._outgoing.pending >= limit):
+                    self.answers_stopped = True
+                    return None
                 if result is None:
                     self._top_up()
                 continue
