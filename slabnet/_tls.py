@@ -38,7 +38,10 @@ grew to for the life of the connection.  Incoming ciphertext given to
 ``lend_data`` goes in ``LEND_PIECE`` bytes at a time, during the handshake
 too (the read that completes it may carry a burst of data behind the last
 flight); outgoing plaintext goes to ``SSLObject.write`` ``WRITE_SLICE``
-bytes at a time, with the ciphertext taken out in between.
+bytes at a time, with the ciphertext taken out in between, and what reads
+produce themselves (a refused TLS 1.2 renegotiation: a 31-byte alert for
+each 4-byte ClientHello header, up to 4096 of them in one record) is taken
+out between the reads of one batch.
 
 ``SSLWantReadError`` only means "feed me more ciphertext"; with memory BIOs
 ``SSLWantWriteError`` cannot happen, because the outgoing BIO grows without
@@ -164,6 +167,16 @@ _LEND_LOW: Final = MAX_FRAGMENT + 4096
 #: handed out as they are, never joined (see data_to_send_many).
 WRITE_SLICE: Final = 4 * MAX_FRAGMENT
 _DRAIN_AT: Final = 65536
+
+# What reads produce themselves is taken out of the outgoing BIO between
+# the reads of a batch once it holds _DRAIN_AT too. One ``SSL_read``
+# processes every complete record in the incoming BIO (less than LEND_PIECE
+# plus _LEND_LOW), and a TLS 1.2 record of 4-byte ClientHello headers makes
+# a 31-byte refusal alert of each (7.75 times its size): the BIO stays under
+# _DRAIN_AT plus the answers to one SSL_read (measured: 313 KiB allocated
+# after a 240 KiB read of such records, 165 KiB with one request per
+# record), where the answers to the whole read (1.8 MiB) used to stay
+# allocated for the life of the connection.
 
 
 # ---------------------------------------------------------------------------
@@ -321,6 +334,8 @@ class TLSEngine:
         "_lent_pos",
         "_shutdown_after_writes",
         "_sealed",
+        "answers_limit",
+        "answers_stopped",
         "read_calls",
         "chunks_returned",
         "want_read_errors",
@@ -377,6 +392,11 @@ class TLSEngine:
         self._shutdown_after_writes = False
         # Ciphertext already taken out of the outgoing BIO (see WRITE_SLICE).
         self._sealed: list[bytes] = []
+        # read_chunk() returns None early, answers_stopped True, once reads
+        # made this much output of their own (0: never): the shell sends it,
+        # and may stop reading, before the rest of a read is answered.
+        self.answers_limit = 0
+        self.answers_stopped = False
         # Counters for tests and benchmarks.
         self.read_calls = 0  # SSLObject.read calls
         self.chunks_returned = 0  # non-empty chunks from read_chunk()
@@ -574,8 +594,11 @@ class TLSEngine:
         be decrypted from what has arrived (or the handshake is not done);
         the empty memoryview at clean EOF, again on every later call.  A
         pending error is raised once every byte in front of it was returned,
-        and again on every later call.
+        and again on every later call.  With ``answers_limit`` set, None
+        also comes (``answers_stopped`` True) once reads made that much
+        output of their own: send ``data_to_send_many()``, then call again.
         """
+        self.answers_stopped = False
         final = self._read_final
         if final is not None:
             if final is _EOF:
@@ -628,10 +651,19 @@ class TLSEngine:
                     result = None
                 else:
                     result = self._read_batch(fed, pending, end, bound, count, weight)
-            if result is _AGAIN:
-                continue
-            if result is None and self._lent is not None:
-                self._top_up()
+            if result is _AGAIN or (result is None and self._lent is not None):
+                # Records without data may have made answers of their own
+                # (renegotiation refusals, KeyUpdates): take them out before
+                # the next records go in, as the write side does, or one
+                # read of a peer that asks for them in every record would
+                # grow the BIO, for good, to several times the read.
+                self._seal_if_full()
+                limit = self.answers_limit
+                if limit and (self._sealed or self._outgoing.pending >= limit):
+                    self.answers_stopped = True
+                    return None
+                if result is None:
+                    self._top_up()
                 continue
             break
         if self._blocked:

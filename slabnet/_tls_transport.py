@@ -244,6 +244,7 @@ class TLSTransport(WriteGate):
             # Nothing may be read as plaintext on a connection meant for TLS.
             self._fail(exc, "slabnet: could not set up the connection")
             return
+        self._engine.answers_limit = ANSWERS_MAX  # (see _pump)
         self._timer = self._loop.call_later(self._handshake_timeout, self._handshake_timed_out)
         self._handshake()
 
@@ -741,7 +742,18 @@ class TLSTransport(WriteGate):
             while force or not self._reading_paused:
                 chunk = engine.read_chunk()
                 if chunk is None:
-                    break
+                    if not engine.answers_stopped:
+                        break
+                    # The reads made ANSWERS_MAX of output by themselves
+                    # (refused renegotiations, KeyUpdates): sent before the
+                    # rest of the read is answered, so that reading stops
+                    # there if nobody reads them; one read of 4-byte
+                    # requests would otherwise queue 7.75 times its size.
+                    if not final:
+                        self._send_output()
+                        if self._answers_wait:
+                            break
+                    continue
                 if not chunk:
                     self._read_over = True
                     break

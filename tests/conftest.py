@@ -169,12 +169,19 @@ class RawTLS:
         data = await self.loop.sock_recv(self.sock, 65536)
         if not data:
             raise ConnectionResetError("RawTLS: peer closed")
+        self.first_in = self.first_in or data
         self.incoming.write(data)
 
     async def flush(self) -> None:
         data = self.outgoing.read()
         if data:
+            self.first_out = self.first_out or data
             await self.loop.sock_sendall(self.sock, data)
+
+    # The first bytes received and sent (the server's is its ServerHello
+    # flight, for ForgedTLS12).
+    first_in = b""
+    first_out = b""
 
     async def handshake(self) -> None:
         while True:
@@ -244,6 +251,57 @@ class RawTLS:
             raise AssertionError("SSL_key_update failed (not TLS 1.3?)")
 
     _ssl_ptr: int | None = None
+
+
+class ForgedTLS12:
+    """Seals TLS 1.2 AES-128-GCM records of any content type, as either
+    side, with the keys of a real session: what no TLS library sends on
+    request (a handshake record of the test's own choosing after the
+    handshake, a record packed with many handshake messages).
+
+    The keys come from the client's ``keylog_filename`` (RFC 5246 6.3:
+    ``key_block = PRF(master_secret, "key expansion", server_random +
+    client_random)``, SHA-256 PRF for the ``*_AES_128_GCM_SHA256`` suites);
+    the nonce and additional data are RFC 5288's. Each side's next sequence
+    number is 1 (its Finished was 0): the session's own SSLObjects must send
+    no record after the handshake."""
+
+    def __init__(self, keylog: str, server_hello_flight: bytes) -> None:
+        import hashlib
+        import hmac
+
+        with open(keylog) as f:
+            line = next(ln for ln in f.read().splitlines() if ln.startswith("CLIENT_RANDOM "))
+        client_random, master = (bytes.fromhex(f) for f in line.split()[1:3])
+        # record header (5), handshake header (4), version (2), then the random
+        server_random = server_hello_flight[11:43]
+        seed = b"key expansion" + server_random + client_random
+        block, a = b"", seed
+        while len(block) < 40:
+            a = hmac.new(master, a, hashlib.sha256).digest()
+            block += hmac.new(master, a + seed, hashlib.sha256).digest()
+        self._keys = {False: (block[0:16], block[32:36]), True: (block[16:32], block[36:40])}
+        self._seq = {False: 1, True: 1}
+
+    def seal(self, ctype: int, plaintext: bytes, *, from_server: bool = False) -> bytes:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        key, salt = self._keys[from_server]
+        seq = self._seq[from_server]
+        self._seq[from_server] = seq + 1
+        explicit = struct.pack("!Q", seq)
+        aad = struct.pack("!QBHH", seq, ctype, 0x0303, len(plaintext))
+        body = explicit + AESGCM(key).encrypt(salt + explicit, plaintext, aad)
+        return struct.pack("!BHH", ctype, 0x0303, len(body)) + body
+
+
+def forgeable(ctx: ssl.SSLContext, keylog: str) -> ssl.SSLContext:
+    """``ctx`` (a RawTLS peer's) made to negotiate sessions ``ForgedTLS12``
+    can seal for: TLS 1.2, AES-128-GCM, keys written to ``keylog``."""
+    ctx.minimum_version = ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    ctx.set_ciphers("ECDHE+AESGCM:!AES256")
+    ctx.keylog_filename = keylog
+    return ctx
 
 
 def _libssl() -> Any:

@@ -158,3 +158,95 @@ async def test_a_cancelled_wait_closed_cancels_only_itself(
             conn.close()
             if opening.done() and not opening.cancelled() and not opening.exception():
                 opening.result()[1].transport.abort()
+
+
+# ------------------------------------------------- drain() cancelled by a timeout
+
+
+@pytest.mark.parametrize("how", ["timeout", "wait_for"])
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_drain_cancelled_by_a_timeout_at_any_step_loses_nothing(
+    server_cert: Any, tls_ca: Any, tls: bool, how: str
+) -> None:
+    """A drain() waiting on a peer that does not read, cancelled by
+    ``asyncio.timeout()`` (the deadline moved to now: it fires in the next
+    iteration) or around ``asyncio.wait_for()`` after 0, 1, 2, ...
+    iterations, while a second task drains too: as with asyncio, only the
+    cancelled one raises; the other returns once the peer reads, a later
+    drain(), close() and wait_closed() work, every byte arrives once, and
+    nothing reaches the loop's exception handler."""
+    loop = asyncio.get_running_loop()
+    contexts: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: contexts.append(context))
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # (inherited)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    listener.setblocking(False)
+    blob = bytes(range(256)) * 4096  # far more than both kernels hold
+    try:
+        for steps in range(8):
+            kw: dict[str, Any] = {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
+            opening = asyncio.ensure_future(slabnet.open_connection(*listener.getsockname(), **kw))
+            conn, _ = await loop.sock_accept(listener)
+            conn.setblocking(False)
+            peer = RawTLS(conn, server_ctx(server_cert), server_side=True) if tls else None
+            try:
+                async with asyncio.timeout(WAKE):
+                    if peer is not None:
+                        await peer.handshake()
+                    reader, writer = await opening
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                writer.write(blob)
+                _, high = writer.transport.get_write_buffer_limits()
+                assert writer.transport.get_write_buffer_size() > high
+                deadlines: list[asyncio.Timeout] = []
+
+                async def drain_with_deadline() -> None:
+                    if how == "timeout":
+                        async with asyncio.timeout(None) as deadline:
+                            deadlines.append(deadline)
+                            await writer.drain()
+                    else:
+                        await asyncio.wait_for(writer.drain(), 3600)
+
+                cancelled = asyncio.ensure_future(drain_with_deadline())
+                other = asyncio.ensure_future(writer.drain())
+                for _ in range(steps):
+                    await asyncio.sleep(0)
+                if deadlines:
+                    deadlines[0].reschedule(loop.time() - 1)
+                else:
+                    cancelled.cancel()
+                await asyncio.wait([cancelled], timeout=WAKE)
+                with pytest.raises(TimeoutError if deadlines else asyncio.CancelledError):
+                    await cancelled
+                assert not other.done(), f"step {steps}: {other!r}"
+                writer.write(b"tail")
+                later = asyncio.ensure_future(writer.drain())
+                expected = blob + b"tail"
+                got = bytearray()
+                async with asyncio.timeout(WAKE):
+                    while len(got) < len(expected):
+                        if peer is not None:
+                            got += await peer.recv_plain(min(65536, len(expected) - len(got)))
+                        else:
+                            got += await loop.sock_recv(conn, 65536)
+                    await other
+                    await later
+                    writer.close()
+                    if peer is not None:
+                        await peer.recv_plain(0)
+                        await peer.send(peer.close_notify())
+                    await writer.wait_closed()
+                assert got == expected, f"step {steps}"
+            finally:
+                conn.close()
+                if opening.done() and not opening.cancelled() and not opening.exception():
+                    opening.result()[1].transport.abort()
+    finally:
+        listener.close()
+        loop.set_exception_handler(None)
+    assert contexts == []

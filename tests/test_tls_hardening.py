@@ -31,11 +31,11 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import RawTLS, client_ctx, records, server_ctx
+from conftest import ForgedTLS12, RawTLS, client_ctx, forgeable, records, server_ctx
 from test_writer_hardening import WAKE, shrink, small_listener  # noqa: F401 (a fixture)
 from slabnet._errors import TLSRecordError
 from slabnet._records import MAX_LENGTH_TLS12
-from slabnet._tls import _LEND_LOW, LEND_PIECE, MAX_FRAGMENT, TLSEngine, TLSState
+from slabnet._tls import _DRAIN_AT, _LEND_LOW, LEND_PIECE, MAX_FRAGMENT, TLSEngine, TLSState
 
 TLS12 = ssl.TLSVersion.TLSv1_2
 TLS13 = ssl.TLSVersion.TLSv1_3
@@ -675,6 +675,48 @@ async def test_handshake_timeout_message_is_asyncios(
 
 
 # ------------------------------------------------ answers nobody reads
+
+
+def test_renegotiation_refusals_keep_the_outgoing_bio_small(
+    server_cert: Any, tls_ca: Any, tmp_path: Any
+) -> None:
+    # OpenSSL 3 servers refuse a client's TLS 1.2 renegotiation with a
+    # 31-byte no_renegotiation alert per ClientHello header, and a record
+    # may pack 4096 of those 4-byte headers: 7.75 bytes of answers per byte
+    # read. The engine took them out of the outgoing BIO only after the
+    # whole read (its write side does so every 64 KiB), so one 240 KiB read
+    # grew the BIO to 1.8 MiB, which a MemoryBIO keeps for the life of the
+    # connection. Now they are taken out between the reads of a batch.
+    keylog = str(tmp_path / "keylog")
+    c = TLSEngine(forgeable(client_ctx(tls_ca), keylog), server_hostname="localhost")
+    s = TLSEngine(server_ctx(server_cert, TLS12), server_side=True)
+    flight = b""
+    while not (c.do_handshake() and s.state is TLSState.OPEN):
+        s.receive_data(c.data_to_send())
+        s.do_handshake()
+        out = s.data_to_send()
+        flight = flight or out
+        c.receive_data(out)
+    _, outgoing = watch(s)
+    forged = ForgedTLS12(keylog, flight)
+    per_record = MAX_FRAGMENT // 4
+    n_records = 15  # 240 KiB: one read of the loop's lending buffer
+    wire = b"".join(forged.seal(22, b"\x01\0\0\0" * per_record) for _ in range(n_records))
+    wire += forged.seal(23, b"data after them")
+    s.lend_data(memoryview(wire))
+    got = []
+    while (chunk := s.read_chunk()) is not None:
+        got.append(bytes(chunk))
+    s.release_lent()
+    answers = b"".join(s.data_to_send_many())
+    assert got == [b"data after them"]
+    refusals = records(answers)
+    assert len(refusals) == n_records * per_record  # one alert for each
+    assert {ctype for ctype, _, _ in refusals} == {21}
+    # At most _DRAIN_AT plus the answers to one SSL_read: every complete
+    # record in the BIO, which holds less than LEND_PIECE plus _LEND_LOW.
+    bound = _DRAIN_AT + (LEND_PIECE + _LEND_LOW) * 31 // 4
+    assert outgoing.peak <= bound, (outgoing.peak, bound, len(answers))
 
 
 @pytest.mark.asyncio

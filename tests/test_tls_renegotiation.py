@@ -14,13 +14,21 @@ import os
 import signal
 import socket
 import subprocess
+import ssl
 import termios
 import threading
 import struct
 
+from typing import Any
+
 import pytest
 
-from conftest import block_until_records
+import slabnet
+from conftest import ForgedTLS12, RawTLS, block_until_records, client_ctx, forgeable, server_ctx
+from slabnet._slab import LEND_SIZE
+from slabnet._tls import _DRAIN_AT, _LEND_LOW, LEND_PIECE
+from slabnet._tls_transport import ANSWERS_MAX
+from test_writer_hardening import WAKE, shrink, small_listener  # noqa: F401 (a fixture)
 from test_tls_streams import connect_retry, free_port, pem_files  # noqa: F401 (fixture)
 
 
@@ -111,3 +119,178 @@ async def test_write_request_waits_for_plaintext_held_by_a_renegotiation(
     assert text[at : at + len(bulk)] == bulk
     rest = text[at + len(bulk) :]
     assert rest.index(b"DURING-RENEGOTIATION\n") < rest.index(b"AFTER\n"), rest[-2000:]
+
+
+# ------------------------------------------------ renegotiation requests nobody reads
+
+
+@pytest.mark.parametrize("side", ["server", "client"])
+@pytest.mark.asyncio
+async def test_renegotiation_requests_nobody_reads_stop_the_reads(
+    small_listener: socket.socket, server_cert: Any, tls_ca: Any, tmp_path: Any, side: str,
+) -> None:
+    # A TLS 1.2 peer that asks for renegotiation over and over and reads
+    # none of the answers: ClientHellos to a slabnet server (OpenSSL 3
+    # refuses each with a no_renegotiation alert), HelloRequests to a
+    # slabnet client whose context refuses renegotiation. A record may pack
+    # many such 4-byte messages, each answered by a 31-byte alert (asyncio
+    # and uvloop queue them all, at 7.75 times the peer's sending rate).
+    # The answers queued stay under the low-water mark plus ANSWERS_MAX plus
+    # the answers of one read; once the peer reads, the reads go on and
+    # every byte of data sent after the requests arrives.
+    loop = asyncio.get_running_loop()
+    keylog = str(tmp_path / "keylog")
+    received: asyncio.Future[bytes] = loop.create_future()
+
+    async def read_all(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        got = bytearray()
+        while chunk := await reader.read_chunk():
+            got += chunk
+        received.set_result(bytes(got))
+        writer.close()
+
+    server = None
+    if side == "server":
+        served: asyncio.Future[slabnet.StreamWriter] = loop.create_future()
+
+        async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+            served.set_result(writer)
+            await read_all(reader, writer)
+
+        server = await slabnet.start_server(handle, sock=small_listener, ssl=server_ctx(server_cert))
+        sock = socket.socket()
+        shrink(sock)
+        await loop.sock_connect(sock, small_listener.getsockname())
+        peer = RawTLS(sock, forgeable(client_ctx(tls_ca), keylog), server_side=False,
+                      server_hostname="localhost")
+        request = b"\x01\0\0\0"  # a ClientHello's header
+    else:
+        ctx = client_ctx(tls_ca)
+        ctx.options |= ssl.OP_NO_RENEGOTIATION
+        opening = asyncio.ensure_future(slabnet.open_connection(
+            *small_listener.getsockname(), ssl=ctx, server_hostname="localhost"))
+        sock, _ = await loop.sock_accept(small_listener)
+        peer = RawTLS(sock, forgeable(server_ctx(server_cert), keylog), server_side=True)
+        request = b"\0\0\0\0"  # a HelloRequest
+    try:
+        async with asyncio.timeout(WAKE):
+            await peer.handshake()
+            if side == "server":
+                transport = (await served).transport
+            else:
+                reader, writer = await opening
+                transport = writer.transport
+                reading = asyncio.ensure_future(read_all(reader, writer))
+        flight = peer.first_in if side == "server" else peer.first_out
+        forged = ForgedTLS12(keylog, flight)
+        from_server = side == "client"
+        sent = 0
+        for _ in range(2000):  # far more answers than any socket buffers take
+            wire = b"".join(
+                forged.seal(22, request * 64, from_server=from_server) for _ in range(16)
+            )
+            sent += 16 * 64
+            async with asyncio.timeout(WAKE):
+                await peer.send(wire)
+                await asyncio.sleep(0)
+            if not transport.is_reading():
+                break
+        queued = transport.get_write_buffer_size()
+        assert not transport.is_reading(), f"still reading after {sent} requests, {queued} queued"
+        low, _ = transport.get_write_buffer_limits()
+        assert queued <= low + ANSWERS_MAX + LEND_SIZE * 31 // 4, queued
+        # The peer reads (and drops) the answers; then sends data and ends.
+        data = os.urandom(100_000)
+        drained = asyncio.ensure_future(peer.linger(WAKE))
+        async with asyncio.timeout(WAKE):
+            await peer.send(b"".join(
+                forged.seal(23, data[i : i + 16384], from_server=from_server)
+                for i in range(0, len(data), 16384)
+            ) + forged.seal(21, b"\x01\0", from_server=from_server))  # close_notify
+            assert await received == data
+            await drained
+    finally:
+        sock.close()
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+        elif opening.done() and not opening.exception():
+            opening.result()[1].transport.abort()
+
+
+@pytest.mark.asyncio
+async def test_one_read_of_renegotiation_requests_queues_little(
+    server_cert: Any, tls_ca: Any, tmp_path: Any,
+) -> None:
+    # Reading stopped for answers only after a whole read: one 256 KiB read
+    # of records packed with ClientHello headers queued 7.75 times its size
+    # (1.8 MiB) of refusals before the check. Now the engine stops the read
+    # once ANSWERS_MAX of them wait, the transport sends them, and reading
+    # stops there while nobody takes them.
+    loop = asyncio.get_running_loop()
+    keylog = str(tmp_path / "keylog")
+    served: asyncio.Future[slabnet.StreamWriter] = loop.create_future()
+    received: asyncio.Future[bytes] = loop.create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        served.set_result(writer)
+        got = bytearray()
+        while chunk := await reader.read_chunk():
+            got += chunk
+        received.set_result(bytes(got))
+        writer.close()
+
+    listener = socket.socket()
+    # Room for the whole flood in the server's kernel (set before listen():
+    # the window scale is fixed at the handshake); a small send buffer for
+    # its answers, and a client that reads none of them.
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    server = await slabnet.start_server(handle, sock=listener, ssl=server_ctx(server_cert))
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)
+    await loop.sock_connect(sock, listener.getsockname())
+    peer = RawTLS(sock, forgeable(client_ctx(tls_ca), keylog), server_side=False,
+                  server_hostname="localhost")
+    try:
+        async with asyncio.timeout(WAKE):
+            await peer.handshake()
+            writer = await served
+        transport = writer.transport
+        server_sock = writer.get_extra_info("socket")
+        server_sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        forged = ForgedTLS12(keylog, peer.first_in)
+        wire = b"".join(forged.seal(22, b"\x01\0\0\0" * 4096) for _ in range(15))
+        # The loop is blocked until all of it waits in the server's socket:
+        # its next read takes it whole (up to the 256 KiB lending buffer).
+        sock.setblocking(True)  # (O_NONBLOCK is the socket's, not the descriptor's)
+        try:
+            sock.sendall(wire)
+        finally:
+            sock.setblocking(False)
+        block_until_records(server_sock.fileno(), lambda recs: len(recs) == 15)
+        async with asyncio.timeout(WAKE):
+            while transport.is_reading():
+                await asyncio.sleep(0)
+        queued = transport.get_write_buffer_size()
+        low, _ = transport.get_write_buffer_limits()
+        # The answers stop after one SSL_read (the records in the BIO, under
+        # LEND_PIECE plus _LEND_LOW) past ANSWERS_MAX, or _DRAIN_AT taken out.
+        bound = low + ANSWERS_MAX + _DRAIN_AT + (LEND_PIECE + _LEND_LOW) * 31 // 4
+        assert queued <= bound, (queued, bound)
+        # The peer reads them: the rest of the read is answered, then data.
+        data = os.urandom(20_000)
+        drained = asyncio.ensure_future(peer.linger(WAKE))
+        async with asyncio.timeout(WAKE):
+            await peer.send(
+                forged.seal(23, data[:16384]) + forged.seal(23, data[16384:])
+                + forged.seal(21, b"\x01\0")  # close_notify
+            )
+            assert await received == data
+            await drained
+    finally:
+        sock.close()
+        server.close()
+        await server.wait_closed()
