@@ -350,3 +350,67 @@ async def test_reader_ops_match_asyncio_over_tls(
     ctx = (server_ctx(server_cert), client_ctx(tls_ca))
     for seed in SEEDS:
         await check_seed(seed, listener, ctx)
+
+
+# ------------------------------------------------------------------ found by the fuzz
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("lib, end", [
+    (slabnet, "close_notify"), (asyncio, "close_notify"), (slabnet, "bad_record"),
+], ids=["slabnet", "asyncio", "slabnet-bad-record"])
+async def test_the_end_behind_the_client_finished_reaches_a_paused_reader(
+    lib: Any, end: str, server_cert: Any, tls_ca: Any
+) -> None:
+    """A TLS 1.3 client's Finished, 5000 bytes of data and its close_notify
+    (or a record that cannot be valid) in one segment: the read that
+    completes the server's handshake brings the data and the end too. The
+    reader (limit 16) pauses during the data, and slabnet delivered the
+    rest of that read only if some of it was still ciphertext; the engine
+    had taken in the end with the record before it, so ``read()`` waited
+    for ever (for more bytes from a peer that waits for the answer).
+    asyncio's reader gets the data, then EOF; slabnet's, after an invalid
+    record, the data, then ``TLSRecordError`` (asyncio's drops the data
+    before the error: README's deliberate differences)."""
+    loop = asyncio.get_running_loop()
+    outcome: asyncio.Future[list[Any]] = loop.create_future()
+
+    async def handler(reader: Any, writer: Any) -> None:
+        reads: list[Any] = []
+        try:
+            while data := await reader.read():
+                reads.append(data)
+            reads.append(b"")
+        except Exception as exc:
+            reads.append(type(exc))
+        outcome.set_result(reads)
+        writer.close()
+
+    server = await lib.start_server(
+        handler, "127.0.0.1", 0, limit=16, ssl=server_ctx(server_cert)
+    )
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, server.sockets[0].getsockname())
+        tls = RawTLS(sock, client_ctx(tls_ca), server_side=False, server_hostname="localhost")
+        async with asyncio.timeout(WAKE):
+            while True:  # the handshake, up to the client's Finished (kept)
+                try:
+                    tls.obj.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    await tls.flush()
+                    await tls._pull()
+        assert tls.obj.version() == "TLSv1.3"
+        wire = tls.outgoing.read() + tls.seal(b"x" * 5000)
+        wire += tls.close_notify() if end == "close_notify" else b"\x99\x03\x03\x00\x10" + bytes(16)
+        await tls.send(wire)
+        reads = await asyncio.wait_for(outcome, WAKE)
+        if end == "close_notify":
+            assert reads == [b"x" * 5000, b""]
+        else:
+            assert reads == [b"x" * 5000, slabnet.TLSRecordError]
+    finally:
+        sock.close()
+        server.close()
