@@ -259,12 +259,15 @@ class TLSTransport(WriteGate):
             return
         # The read that completes the handshake may carry a burst of data
         # behind it: it goes into the BIO by pieces like every other read,
-        # and what the handshake leaves of it is delivered whole.
+        # and what the handshake leaves of it is delivered whole. Whatever
+        # is left, not only what is still ciphertext: the engine may hold
+        # the end of it already (the peer's close_notify, taken in with
+        # the record before it), which no later read would bring.
         engine.lend_data(data)
         try:
             self._handshake()
             stage: _Stage = self._stage  # (changed by the handshake)
-            if stage is _Stage.READY and engine.buffered_ciphertext:
+            if stage is _Stage.READY:
                 self._pump(True)
         finally:
             engine.release_lent()
