@@ -958,8 +958,6 @@ class StreamWriter:
         server_side = self._protocol._client_connected_cb is not None
         await self.drain()
         transport = self._transport
-        if isinstance(transport, TLSTransport):
-            raise RuntimeError("the connection already uses TLS")
         reader = self._reader
         already_read = b"" if reader is None else reader._take_rest()
         try:

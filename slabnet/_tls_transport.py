@@ -71,7 +71,9 @@ from ._errors import (
 )
 from ._slab import LEND_SIZE
 from ._tls import TLSEngine
-from ._transport import CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep
+from ._transport import (
+    CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep, awaiting_handshake,
+)
 from ._write import WriteRequest
 
 __all__ = ["TLSTransport"]
@@ -179,7 +181,9 @@ class TLSTransport(WriteGate):
         self._upgrade = upgrade  # STARTTLS: the app has its (plain) transport
         self._app_made = upgrade  # the app's connection_made was called
         self._engine: TLSEngine | None = None
-        self._lower: SlabTransport | None = None
+        # The connection under us: the plain one, or for TLS inside TLS
+        # (start_tls on a TLS connection) the outer TLS layer.
+        self._lower: SlabTransport | TLSTransport | None = None
         self._stage = _Stage.HANDSHAKE
         self._closing = False  # SHUTDOWN or DONE: a hot check
         self._timer: asyncio.TimerHandle | None = None  # handshake or shutdown
@@ -225,7 +229,7 @@ class TLSTransport(WriteGate):
     # ================================================ the plain connection's side
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, SlabTransport)
+        assert isinstance(transport, (SlabTransport, TLSTransport))
         self._lower = lower = transport
         if self._upgrade:
             low, high = lower.get_write_buffer_limits()
@@ -354,8 +358,56 @@ class TLSTransport(WriteGate):
         self._app = protocol
         self._deliver = deliver
 
-    async def start_tls(self, *args: Any, **kwargs: Any) -> asyncio.Transport:
-        raise RuntimeError("the connection already uses TLS")
+    async def start_tls(self, sslcontext: ssl.SSLContext, **kwargs: Any) -> asyncio.Transport:
+        """Start a second TLS session inside this one (a TLS destination
+        through a TLS proxy); return its transport once its handshake is
+        done. Keywords as for ``SlabTransport.upgrade_tls``."""
+        tls, handshake = self.upgrade_tls(sslcontext, **kwargs)
+        await awaiting_handshake(tls, handshake)
+        return tls
+
+    def upgrade_tls(
+        self,
+        sslcontext: ssl.SSLContext,
+        *,
+        server_side: bool = False,
+        server_hostname: str | None = None,
+        ssl_handshake_timeout: float | None = None,
+        ssl_shutdown_timeout: float | None = None,
+        ssl_ragged_eof: bool = True,
+        ssl_session: Any = None,
+        already_read: bytes = b"",
+    ) -> tuple[asyncio.Transport, asyncio.Future[None]]:
+        """``SlabTransport.upgrade_tls`` one layer up: the new TLS layer
+        carries its records as this connection's plaintext, and becomes its
+        protocol, as asyncio's start_tls on a TLS transport does."""
+        if self._closing or self._stage is not _Stage.READY:
+            raise ConnectionResetError("cannot start TLS on a connection that is not open")
+        if not server_side and not server_hostname and sslcontext.check_hostname:
+            raise ValueError("start_tls() on a client needs server_hostname")
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        tls = TLSTransport(
+            self._app, self._loop, sslcontext, server_side=server_side,
+            server_hostname=server_hostname, ssl_handshake_timeout=ssl_handshake_timeout,
+            ssl_shutdown_timeout=ssl_shutdown_timeout, ssl_ragged_eof=ssl_ragged_eof,
+            ssl_session=ssl_session, waiter=waiter, upgrade=True, app_paused=self._writing_paused,
+        )
+        self._app = tls  # (the app is the inner layer's from now on)
+        self._deliver = tls.chunk_received
+        tls.connection_made(self)
+        if already_read and not tls.is_closing():
+            tls.chunk_received(memoryview(already_read))
+        return tls, waiter
+
+    def track(self, req: WriteRequest) -> None:
+        """Complete ``req`` once every byte written so far has been sent
+        (``SlabTransport.track``; for a TLS layer inside this one)."""
+        if self._stage is _Stage.DONE or self._lower is None:
+            req._finish(self._error or ConnectionResetError("connection lost with data unsent"))
+        elif self._plain or self._stage is _Stage.HANDSHAKE:
+            self._reqs.append(req)  # tracked once that plaintext is encrypted
+        else:
+            self._track([req])
 
     # ------------------------------------------------ reading
 
@@ -524,7 +576,7 @@ class TLSTransport(WriteGate):
         # is read now: nothing new may ever arrive to start the pump.
         self._loop.call_soon(self._pump)
 
-    def abort(self) -> None:
+    def abort(self, exc: BaseException | None = None) -> None:
         """Close at once, dropping queued data (see ``SlabTransport.abort``).
 
         Plaintext gathered for the end-of-iteration flush is encrypted and
@@ -536,7 +588,7 @@ class TLSTransport(WriteGate):
                 self._encrypt()
             except Exception:  # (the engine refuses: the abort ends it anyway)
                 pass
-        self._abort(LocalAbortError("connection aborted locally (transport.abort())"))
+        self._abort(exc or LocalAbortError("connection aborted locally (transport.abort())"))
 
     def _abort(self, exc: BaseException) -> None:
         if self._stage is _Stage.DONE:

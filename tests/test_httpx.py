@@ -722,8 +722,6 @@ async def test_stream_extra_info_options_and_tls(
             assert sock.getsockname() == client_addr
             assert sock.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
             assert stream.get_extra_info("no such thing") is None
-            with pytest.raises(NotImplementedError, match="TLS inside TLS"):
-                await stream.start_tls(tls_client_context, server_hostname="127.0.0.1")
             await stream.write(b"GET /bytes/5 HTTP/1.1\r\nHost: x\r\n\r\n", timeout=WAIT)
             answer = b""
             while not answer.endswith(payload(5)):
@@ -770,3 +768,53 @@ def test_import_slabnet_imports_no_http_library() -> None:
                          text=True, timeout=WAIT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "clean"
+
+
+async def _connect_proxy(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> None:
+    """An HTTPS proxy on asyncio's own streams: CONNECT, then both ways."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    method, target, _ = head.split(b" ", 2)
+    assert method == b"CONNECT", head
+    host, port = target.decode().rsplit(":", 1)
+    up_reader, up_writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+
+    async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        try:
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+        finally:
+            dst.close()
+
+    await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+
+@pytest.mark.asyncio
+async def test_https_request_through_an_https_proxy(
+    https_server: _HTTPServer, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    """httpcore's tunnel through an HTTPS proxy to an https:// URL runs the
+    destination's TLS inside the proxy's: start_tls on a TLS stream, which
+    raised NotImplementedError ("TLS inside TLS") before slabnet had it."""
+    proxy = await asyncio.start_server(_connect_proxy, "127.0.0.1", 0, ssl=tls_server_context)
+    try:
+        pool = httpcore.AsyncConnectionPool(
+            ssl_context=tls_client_context,
+            proxy=httpcore.Proxy(
+                f"https://127.0.0.1:{proxy.sockets[0].getsockname()[1]}",
+                ssl_context=tls_client_context,
+            ),
+            network_backend=SlabnetBackend(),
+        )
+        async with pool, asyncio.timeout(WAIT):
+            for n in (5, 1 << 20):
+                response = await pool.request("GET", f"https://127.0.0.1:{https_server.port}/bytes/{n}")
+                assert response.status == 200
+                assert response.content == payload(n)
+            assert https_server.accepted == 1  # one tunnel, kept alive
+    finally:
+        proxy.close()

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import hashlib
+import random
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -309,3 +311,66 @@ async def test_a_reader_subclass_with_its_own_feed_data_hears_every_read(
     finally:
         transport.close()
         peer.close()
+
+
+@pytest.mark.parametrize("side", ["client", "server"])
+@pytest.mark.asyncio
+async def test_tls_inside_tls_through_a_tls_proxy(
+    server_cert: Any, tls_ca: Any, side: str
+) -> None:
+    # python-socks reaches a TLS destination through a TLS proxy: TLS to
+    # the proxy, the proxy's CONNECT, then writer.start_tls() on that TLS
+    # connection, so that the destination's records travel as the proxy
+    # connection's plaintext. asyncio's streams run the second session
+    # inside the first on both loops; slabnet raised "RuntimeError: the
+    # connection already uses TLS". Here slabnet is one end and asyncio's
+    # streams the other (side: slabnet's end).
+    payload = random.Random(7).randbytes(1 << 20)
+    result: asyncio.Future[tuple[bytes, bytes]] = asyncio.get_running_loop().create_future()
+
+    async def client(reader: Any, writer: Any) -> None:
+        outer = writer.transport
+        writer.write(b"CONNECT destination:443\n")
+        assert await reader.readline() == b"OK\n"
+        await writer.start_tls(client_ctx(tls_ca), server_hostname="localhost")
+        assert writer.transport is not outer
+        assert writer.get_extra_info("ssl_object") is not outer.get_extra_info("ssl_object")
+        writer.write(payload)
+        result.set_result((await reader.readexactly(32), await reader.readexactly(len(payload))))
+        writer.close()
+        await writer.wait_closed()
+
+    async def server(reader: Any, writer: Any) -> None:
+        try:
+            assert await reader.readline() == b"CONNECT destination:443\n"
+            writer.write(b"OK\n")
+            await writer.drain()
+            await writer.start_tls(server_ctx(server_cert))
+            data = await reader.readexactly(len(payload))
+            writer.write(hashlib.sha256(data).digest() + data[::-1])
+            await writer.drain()
+            assert await reader.read() == b""  # the inner session's close_notify
+        except BaseException as exc:
+            if not result.done():
+                result.set_exception(exc)
+            raise
+        finally:
+            writer.close()
+
+    serve, connect_to = (
+        (asyncio.start_server, slabnet.open_connection) if side == "client"
+        else (slabnet.start_server, asyncio.open_connection)
+    )
+    listening = await serve(server, "127.0.0.1", 0, ssl=server_ctx(server_cert))
+    try:
+        async with asyncio.timeout(WAKE):
+            reader, writer = await connect_to(
+                *listening.sockets[0].getsockname()[:2],
+                ssl=client_ctx(tls_ca), server_hostname="localhost",
+            )
+            await client(reader, writer)
+            digest, back = await result
+        assert digest == hashlib.sha256(payload).digest()
+        assert back == payload[::-1]
+    finally:
+        listening.close()

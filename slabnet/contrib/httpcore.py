@@ -62,9 +62,9 @@ close_notify: the pool closes idle connections one after another inside a
 request, and a round trip per connection would stall it (httpcore's anyio
 backend sends no close_notify at all).
 
-Not supported: TLS inside TLS (an HTTPS proxy carrying an ``https://``
-request). A slabnet connection runs one TLS session; ``start_tls`` on a TLS
-stream raises ``NotImplementedError``.
+TLS inside TLS (an HTTPS proxy carrying an ``https://`` request: httpcore's
+``proxy=httpcore.Proxy("https://...")``) is ``start_tls`` on a TLS stream:
+the destination's session runs inside the proxy's, as asyncio's does.
 """
 
 from __future__ import annotations
@@ -184,10 +184,6 @@ class SlabnetStream(httpcore.AsyncNetworkStream):
         timeout: float | None = None,
     ) -> SlabnetStream:
         writer = self._writer
-        if writer.get_extra_info("ssl_object") is not None:
-            raise NotImplementedError(
-                "slabnet cannot run TLS inside TLS (an HTTPS proxy carrying an https:// request)"
-            )
         try:
             async with asyncio.timeout(timeout):
                 await writer.start_tls(ssl_context, server_hostname=server_hostname)
