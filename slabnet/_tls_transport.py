@@ -71,9 +71,7 @@ from ._errors import (
 )
 from ._slab import LEND_SIZE
 from ._tls import TLSEngine
-from ._transport import (
-    CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep, awaiting_handshake,
-)
+from ._transport import CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep
 from ._write import WriteRequest
 
 __all__ = ["TLSTransport"]
@@ -358,46 +356,18 @@ class TLSTransport(WriteGate):
         self._app = protocol
         self._deliver = deliver
 
-    async def start_tls(self, sslcontext: ssl.SSLContext, **kwargs: Any) -> asyncio.Transport:
-        """Start a second TLS session inside this one (a TLS destination
-        through a TLS proxy); return its transport once its handshake is
-        done. Keywords as for ``SlabTransport.upgrade_tls``."""
-        tls, handshake = self.upgrade_tls(sslcontext, **kwargs)
-        await awaiting_handshake(tls, handshake)
-        return tls
+    # STARTTLS inside this session: WriteGate.upgrade_tls (TLS inside TLS,
+    # as a client reaches a TLS destination through a TLS proxy).
 
-    def upgrade_tls(
-        self,
-        sslcontext: ssl.SSLContext,
-        *,
-        server_side: bool = False,
-        server_hostname: str | None = None,
-        ssl_handshake_timeout: float | None = None,
-        ssl_shutdown_timeout: float | None = None,
-        ssl_ragged_eof: bool = True,
-        ssl_session: Any = None,
-        already_read: bytes = b"",
-    ) -> tuple[asyncio.Transport, asyncio.Future[None]]:
-        """``SlabTransport.upgrade_tls`` one layer up: the new TLS layer
-        carries its records as this connection's plaintext, and becomes its
-        protocol, as asyncio's start_tls on a TLS transport does."""
+    def _check_upgradable(self) -> None:
         if self._closing or self._stage is not _Stage.READY:
-            raise ConnectionResetError("cannot start TLS on a connection that is not open")
-        if not server_side and not server_hostname and sslcontext.check_hostname:
-            raise ValueError("start_tls() on a client needs server_hostname")
-        waiter: asyncio.Future[None] = self._loop.create_future()
-        tls = TLSTransport(
-            self._app, self._loop, sslcontext, server_side=server_side,
-            server_hostname=server_hostname, ssl_handshake_timeout=ssl_handshake_timeout,
-            ssl_shutdown_timeout=ssl_shutdown_timeout, ssl_ragged_eof=ssl_ragged_eof,
-            ssl_session=ssl_session, waiter=waiter, upgrade=True, app_paused=self._writing_paused,
-        )
+            raise ConnectionResetError(
+                "cannot start TLS on a connection that is closed or still in its handshake"
+            )
+
+    def _carry(self, tls: TLSTransport) -> None:
         self._app = tls  # (the app is the inner layer's from now on)
         self._deliver = tls.chunk_received
-        tls.connection_made(self)
-        if already_read and not tls.is_closing():
-            tls.chunk_received(memoryview(already_read))
-        return tls, waiter
 
     def track(self, req: WriteRequest) -> None:
         """Complete ``req`` once every byte written so far has been sent

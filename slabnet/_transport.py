@@ -70,12 +70,15 @@ import os
 import ssl
 import weakref
 from collections.abc import Iterable
-from typing import Any, Final, cast
+from typing import TYPE_CHECKING, Any, Final, cast
 
 from ._errors import LocalAbortError
 from ._pool import BufferPool
 from ._slab import ReadSizer, ReadSlab, _Sealed, _Slab
 from ._write import IOV_MAX, OutQueue, WriteRequest
+
+if TYPE_CHECKING:
+    from ._tls_transport import TLSTransport
 
 __all__ = [
     "ChunkProtocol",
@@ -206,10 +209,12 @@ _TRANSITIONS: Final = {
 
 class WriteGate(asyncio.Transport):
     """What every slabnet transport does the same way around its writes:
-    the write-buffer limits and the pause/resume calls they cause, and the
-    rule for writes on a closed connection. A subclass provides
-    ``get_write_buffer_size()``, ``_writes_closed()`` and ``get_protocol()``
-    (who hears ``pause_writing``/``resume_writing``)."""
+    the write-buffer limits and the pause/resume calls they cause, the rule
+    for writes on a closed connection, and the STARTTLS upgrade. A subclass
+    provides ``get_write_buffer_size()``, ``_writes_closed()``,
+    ``get_protocol()`` (who hears ``pause_writing``/``resume_writing``, and
+    the app of a TLS layer started on it), ``_check_upgradable()`` and
+    ``_carry()``."""
 
     __slots__ = ("_high", "_low", "_writing_paused", "_eof_requested", "_dropped_writes")
 
@@ -293,6 +298,68 @@ class WriteGate(asyncio.Transport):
                 "message": f"protocol.{name}() failed",
                 "exception": exc, "transport": self, "protocol": app,
             })
+
+    # ------------------------------------------------ STARTTLS
+
+    async def start_tls(self, sslcontext: ssl.SSLContext, **kwargs: Any) -> asyncio.Transport:
+        """Upgrade this connection to TLS (STARTTLS; on a TLS connection, a
+        second session inside it); return the TLS transport once the
+        handshake is done. Keywords as for ``upgrade_tls``."""
+        tls, handshake = self.upgrade_tls(sslcontext, **kwargs)
+        await awaiting_handshake(tls, handshake)
+        return tls
+
+    def upgrade_tls(
+        self,
+        sslcontext: ssl.SSLContext,
+        *,
+        server_side: bool = False,
+        server_hostname: str | None = None,
+        ssl_handshake_timeout: float | None = None,
+        ssl_shutdown_timeout: float | None = None,
+        ssl_ragged_eof: bool = True,
+        ssl_session: Any = None,
+        already_read: bytes = b"",
+    ) -> tuple[asyncio.Transport, asyncio.Future[None]]:
+        """Start the TLS handshake on this connection (STARTTLS).
+
+        Returns the TLS transport at once, with a future that completes with
+        the handshake (or raises its error). The TLS layer becomes this
+        transport's protocol; the caller should write through the TLS
+        transport from now on: what it writes during the handshake is
+        encrypted once the handshake is done, whereas bytes written here
+        would go out in plaintext, in the middle of it. Bytes written before
+        the call go out in plaintext first; every byte read after it is
+        ciphertext. ``already_read``: bytes the app had received but not
+        consumed when it asked for TLS (a peer that sent its handshake right
+        behind the STARTTLS command, without waiting for the answer): they
+        are ciphertext too, and go to the TLS layer first.
+        """
+        from ._tls_transport import TLSTransport
+
+        self._check_upgradable()
+        if not server_side and not server_hostname and sslcontext.check_hostname:
+            raise ValueError("start_tls() on a client needs server_hostname")
+        waiter: asyncio.Future[None] = self._loop.create_future()
+        tls = TLSTransport(
+            self.get_protocol(), self._loop, sslcontext, server_side=server_side,
+            server_hostname=server_hostname, ssl_handshake_timeout=ssl_handshake_timeout,
+            ssl_shutdown_timeout=ssl_shutdown_timeout, ssl_ragged_eof=ssl_ragged_eof,
+            ssl_session=ssl_session, waiter=waiter, upgrade=True, app_paused=self._writing_paused,
+        )
+        self._carry(tls)
+        tls.connection_made(self)
+        if already_read and not tls.is_closing():
+            tls.chunk_received(memoryview(already_read))
+        return tls, waiter
+
+    def _check_upgradable(self) -> None:
+        """Raise if this connection cannot carry a TLS session now."""
+        raise NotImplementedError
+
+    def _carry(self, tls: TLSTransport) -> None:
+        """Make ``tls`` this connection's protocol: it gets every chunk."""
+        raise NotImplementedError
 
 
 class SlabTransport(WriteGate):
@@ -509,59 +576,14 @@ class SlabTransport(WriteGate):
     def get_write_buffer_size(self) -> int:
         return self._out.queued
 
-    # ------------------------------------------------ STARTTLS
+    # ------------------------------------------------ STARTTLS (WriteGate.upgrade_tls)
 
-    async def start_tls(self, sslcontext: ssl.SSLContext, **kwargs: Any) -> asyncio.Transport:
-        """Upgrade this connection to TLS (STARTTLS); return the TLS transport
-        once the handshake is done. Keywords as for ``upgrade_tls``."""
-        tls, handshake = self.upgrade_tls(sslcontext, **kwargs)
-        await awaiting_handshake(tls, handshake)
-        return tls
-
-    def upgrade_tls(
-        self,
-        sslcontext: ssl.SSLContext,
-        *,
-        server_side: bool = False,
-        server_hostname: str | None = None,
-        ssl_handshake_timeout: float | None = None,
-        ssl_shutdown_timeout: float | None = None,
-        ssl_ragged_eof: bool = True,
-        ssl_session: Any = None,
-        already_read: bytes = b"",
-    ) -> tuple[asyncio.Transport, asyncio.Future[None]]:
-        """Start the TLS handshake on this connection (STARTTLS).
-
-        Returns the TLS transport at once, with a future that completes with
-        the handshake (or raises its error). The TLS layer becomes this
-        transport's protocol; the caller should write through the TLS
-        transport from now on: what it writes during the handshake is
-        encrypted once the handshake is done, whereas bytes written here
-        would go out in plaintext, in the middle of it. Bytes written before
-        the call go out in plaintext first; every byte read after it is
-        ciphertext. ``already_read``: bytes the app had received but not
-        consumed when it asked for TLS (a peer that sent its handshake right
-        behind the STARTTLS command, without waiting for the answer): they
-        are ciphertext too, and go to the TLS layer first.
-        """
-        from ._tls_transport import TLSTransport
-
+    def _check_upgradable(self) -> None:
         if self._closing:
             raise ConnectionResetError("cannot start TLS on a closed connection")
-        if not server_side and not server_hostname and sslcontext.check_hostname:
-            raise ValueError("start_tls() on a client needs server_hostname")
-        waiter: asyncio.Future[None] = self._loop.create_future()
-        tls = TLSTransport(
-            self._proto.upper, self._loop, sslcontext, server_side=server_side,
-            server_hostname=server_hostname, ssl_handshake_timeout=ssl_handshake_timeout,
-            ssl_shutdown_timeout=ssl_shutdown_timeout, ssl_ragged_eof=ssl_ragged_eof,
-            ssl_session=ssl_session, waiter=waiter, upgrade=True, app_paused=self._writing_paused,
-        )
+
+    def _carry(self, tls: TLSTransport) -> None:
         self._proto.set_upper(tls)
-        tls.connection_made(self)
-        if already_read and not tls.is_closing():
-            tls.chunk_received(memoryview(already_read))
-        return tls, waiter
 
     # ------------------------------------------------ closing
 
