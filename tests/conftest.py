@@ -183,7 +183,11 @@ class RawTLS:
     first_in = b""
     first_out = b""
 
-    async def handshake(self) -> None:
+    async def handshake(self, *, send_last: bool = True) -> None:
+        """Run the handshake to its end on this side. ``send_last=False``
+        keeps this side's last flight (a client's Finished, a server's
+        tickets) in ``outgoing``, for the test to send with data behind
+        it, or cut."""
         while True:
             try:
                 self.obj.do_handshake()
@@ -191,7 +195,8 @@ class RawTLS:
             except ssl.SSLWantReadError:
                 await self.flush()
                 await self._pull()
-        await self.flush()
+        if send_last:
+            await self.flush()
 
     def seal(self, *pieces: bytes) -> bytes:
         for piece in pieces:

@@ -39,6 +39,29 @@ async def stop(task: asyncio.Future[Any]) -> None:
     await asyncio.wait([task])
 
 
+async def open_with_peer(
+    listener: socket.socket, tls: bool, server_cert: Any, tls_ca: Any
+) -> tuple[slabnet.StreamReader, slabnet.StreamWriter, socket.socket, RawTLS | None]:
+    """A slabnet client connected to a raw peer accepted on ``listener``:
+    over TLS the peer is a ``RawTLS`` server whose handshake is done."""
+    loop = asyncio.get_running_loop()
+    kw: dict[str, Any] = {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
+    opening = asyncio.ensure_future(slabnet.open_connection(*listener.getsockname(), **kw))
+    conn, _ = await loop.sock_accept(listener)
+    conn.setblocking(False)
+    peer = RawTLS(conn, server_ctx(server_cert), server_side=True) if tls else None
+    try:
+        async with asyncio.timeout(WAKE):
+            if peer is not None:
+                await peer.handshake()
+            reader, writer = await opening
+    except BaseException:
+        conn.close()
+        opening.cancel()
+        raise
+    return reader, writer, conn, peer
+
+
 # ------------------------------------------------- STARTTLS cancelled at each step
 
 
@@ -129,15 +152,9 @@ async def test_a_cancelled_wait_closed_cancels_only_itself(
     the connection is closed."""
     loop = asyncio.get_running_loop()
     for steps in range(4):
-        kw: dict[str, Any] = {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
-        opening = asyncio.ensure_future(slabnet.open_connection(*listener.getsockname(), **kw))
-        conn, _ = await loop.sock_accept(listener)
-        peer = RawTLS(conn, server_ctx(server_cert), server_side=True) if tls else None
+        reader, writer, conn, peer = await open_with_peer(listener, tls, server_cert, tls_ca)
         try:
             async with asyncio.timeout(WAKE):
-                if peer is not None:
-                    await peer.handshake()
-                reader, writer = await opening
                 # Waits for a close nobody has asked for yet.
                 waiting = asyncio.ensure_future(writer.wait_closed())
                 for _ in range(steps):
@@ -156,8 +173,7 @@ async def test_a_cancelled_wait_closed_cancels_only_itself(
                 assert writer.transport.get_protocol() is None  # (connection_lost ran)
         finally:
             conn.close()
-            if opening.done() and not opening.cancelled() and not opening.exception():
-                opening.result()[1].transport.abort()
+            writer.transport.abort()
 
 
 # ------------------------------------------------- drain() cancelled by a timeout
@@ -187,16 +203,8 @@ async def test_drain_cancelled_by_a_timeout_at_any_step_loses_nothing(
     blob = bytes(range(256)) * 4096  # far more than both kernels hold
     try:
         for steps in range(8):
-            kw: dict[str, Any] = {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
-            opening = asyncio.ensure_future(slabnet.open_connection(*listener.getsockname(), **kw))
-            conn, _ = await loop.sock_accept(listener)
-            conn.setblocking(False)
-            peer = RawTLS(conn, server_ctx(server_cert), server_side=True) if tls else None
+            reader, writer, conn, peer = await open_with_peer(listener, tls, server_cert, tls_ca)
             try:
-                async with asyncio.timeout(WAKE):
-                    if peer is not None:
-                        await peer.handshake()
-                    reader, writer = await opening
                 sock = writer.get_extra_info("socket")
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
                 writer.write(blob)
@@ -244,8 +252,7 @@ async def test_drain_cancelled_by_a_timeout_at_any_step_loses_nothing(
                 assert got == expected, f"step {steps}"
             finally:
                 conn.close()
-                if opening.done() and not opening.cancelled() and not opening.exception():
-                    opening.result()[1].transport.abort()
+                writer.transport.abort()
     finally:
         listener.close()
         loop.set_exception_handler(None)

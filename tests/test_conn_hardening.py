@@ -691,13 +691,7 @@ async def test_plaintext_openssl_holds_when_paused_is_delivered(
             await accept(listener), server_ctx(server_cert, ssl.TLSVersion.TLSv1_3),
             server_side=True,
         )
-        while True:
-            try:
-                tls.obj.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                await tls.flush()
-                await tls._pull()
+        await tls.handshake(send_last=False)
         await tls.send(tls.seal(data))  # the tickets, then the data: one send
         await tls.linger()
 

@@ -281,13 +281,7 @@ async def _tls13_client_finished_with_burst(
     sock.setblocking(False)
     await loop.sock_connect(sock, ("127.0.0.1", port))
     tls = RawTLS(sock, client_ctx(tls_ca, TLS13), server_side=False, server_hostname="localhost")
-    while True:
-        try:
-            tls.obj.do_handshake()
-            break
-        except ssl.SSLWantReadError:
-            await tls.flush()
-            await tls._pull()
+    await tls.handshake(send_last=False)
     finished = tls.outgoing.read()
     pieces = [payload[i : i + MAX_FRAGMENT] for i in range(0, len(payload), MAX_FRAGMENT)]
     await tls.send(finished + tls.seal(*pieces))
@@ -341,13 +335,7 @@ async def test_client_handshake_finished_with_a_burst(
         conn, _ = await loop.sock_accept(listener)
         conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4 << 20)
         tls = RawTLS(conn, server_ctx(server_cert, TLS12), server_side=True)
-        while True:
-            try:
-                tls.obj.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                await tls.flush()
-                await tls._pull()
+        await tls.handshake(send_last=False)
         finished = tls.outgoing.read()
         pieces = [payload[i : i + MAX_FRAGMENT] for i in range(0, len(payload), MAX_FRAGMENT)]
         await tls.send(finished + tls.seal(*pieces))
