@@ -72,7 +72,7 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from ._errors import LocalAbortError
+from ._errors import LocalAbortError, untraced
 from ._pool import BufferPool
 from ._slab import ReadSizer, ReadSlab, _Sealed, _Slab
 from ._write import IOV_MAX, OutQueue, WriteRequest
@@ -512,7 +512,7 @@ class SlabTransport(WriteGate):
         except _SEND_RETRY:
             sent = 0
         except OSError as exc:
-            self._abort(exc)
+            self._abort(untraced(exc))  # (its frame holds `views`: the caller's data)
             return None
         out = self._out
         out.passed(sent)
@@ -671,7 +671,7 @@ class SlabTransport(WriteGate):
                 try:
                     self._send_eof()
                 except OSError as exc:  # (no caller to raise it to)
-                    self._abort(exc)
+                    self._abort(untraced(exc))
             if self._state is _State.CLOSING:
                 self._maybe_close_raw()
 
@@ -689,7 +689,7 @@ class SlabTransport(WriteGate):
             except _SEND_RETRY:
                 break
             except OSError as exc:
-                self._abort(exc)
+                self._abort(untraced(exc))  # (its frame holds `bufs`: the queue)
                 return False
             if out.sent(sent) or sent < sum(b.nbytes for b in bufs):
                 break

@@ -1,0 +1,113 @@
+"""Connections that end in an error are freed with their last reference too.
+
+``test_lifetime.py`` checks that a connection closed normally leaves nothing
+for the cyclic garbage collector. These tests take the paths that end in an
+error -- a send the kernel refuses, a failed or timed-out TLS handshake, a
+connect given up on -- where slabnet keeps the error to deliver it later: an
+error whose traceback holds slabnet's own frames, kept on the object those
+frames belong to, is a cycle that holds the connection (its SSLObject, the
+data a failed send was given) until a collection of the oldest generation.
+
+Each test does one cycle of the path first (what a loop sets up once), then
+turns the collector off, runs the path a few times and counts slabnet's
+objects: reachable or in a cycle, the collector being off, they are all in
+``gc.get_objects()``. The tests catch errors with ``try``/``except``, never
+``pytest.raises``, whose ``ExceptionInfo`` local is a cycle of its own
+(frame, info, error, traceback, frame).
+
+Every test runs on the asyncio loop and on uvloop, on loopback sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import socket
+import ssl
+import sys
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+import slabnet
+from conftest import connect_slab
+
+WAKE = 5.0  # seconds any wait may take before the test fails
+ROUNDS = 3  # cycles of a path with the collector off
+
+
+def _alive() -> Counter[str]:
+    """slabnet's objects, and the ``SSLObject``\\ s under its TLS engines.
+    The loop's read slabs are left out: a per-loop cache with its own bound
+    (``memory_stats()``, tests/test_slab.py)."""
+    return Counter(
+        type(o).__name__ for o in gc.get_objects()
+        if (type(o) in _SLABNET_TYPES and type(o).__name__ != "_Slab")
+        or type(o) is ssl.SSLObject
+    )
+
+
+def _classes(module: object) -> set[type]:
+    return {c for c in vars(module).values() if isinstance(c, type)}
+
+
+#: Every class defined in slabnet's modules.
+_SLABNET_TYPES: frozenset[type] = frozenset().union(*(
+    {c for c in _classes(m) if c.__module__ == m.__name__}
+    for name, m in list(sys.modules.items()) if name.startswith("slabnet")
+))
+
+
+async def _left_by(path: Callable[[], Awaitable[None]]) -> Counter[str]:
+    """What ``ROUNDS`` runs of ``path`` leave alive with the collector off,
+    after a first run with it on. Leftovers get ``WAKE`` seconds to go (the
+    other end of a connection may still be closing): the verdict does not
+    depend on how long that takes."""
+    await asyncio.wait_for(path(), WAKE)
+    await asyncio.sleep(0)
+    gc.collect()
+    gc.disable()
+    try:
+        before = _alive()
+        for _ in range(ROUNDS):
+            await asyncio.wait_for(path(), WAKE)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAKE
+        while (left := _alive() - before) and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        return left
+    finally:
+        gc.enable()
+
+
+def _shut_down_sending(transport: asyncio.BaseTransport) -> None:
+    """Make every later send on the connection fail with EPIPE, at once and
+    whatever the kernel's buffers: shut its write side down under it."""
+    fd = transport.get_extra_info("socket").fileno()
+    with socket.socket(fileno=os.dup(fd)) as sock:
+        sock.shutdown(socket.SHUT_WR)
+
+
+@pytest.mark.parametrize("size", [100_000, 100], ids=["direct", "gathered"])
+@pytest.mark.asyncio
+async def test_a_failed_send_leaves_no_cycle(listener: socket.socket, size: int) -> None:
+    # The kernel refuses a send (EPIPE here; ECONNRESET after a peer's
+    # reset): the error ends the connection. It was caught in the frame of
+    # the send -- which holds the transport and the data being sent (a
+    # large write's own buffer, or the queue of gathered writes) -- and
+    # kept on the transport for connection_lost: a cycle, on main, that
+    # held the unsent bytes of every such connection for the collector.
+    async def path() -> None:
+        tr, app, peer = await connect_slab(listener)
+        try:
+            _shut_down_sending(tr)
+            tr.write(b"x" * size)  # (100 bytes: gathered, sent at the end of the iteration)
+            exc = await asyncio.wait_for(app.lost, WAKE)
+            assert isinstance(exc, BrokenPipeError), exc
+        finally:
+            peer.close()
+
+    left = await _left_by(path)
+    assert not left, f"a failed send left a cycle: {dict(left)}"
