@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 import slabnet
-from conftest import connect_slab
+from conftest import RawTLS, connect_slab
 
 WAKE = 5.0  # seconds any wait may take before the test fails
 ROUNDS = 3  # cycles of a path with the collector off
@@ -111,3 +111,92 @@ async def test_a_failed_send_leaves_no_cycle(listener: socket.socket, size: int)
 
     left = await _left_by(path)
     assert not left, f"a failed send left a cycle: {dict(left)}"
+
+
+@pytest.mark.asyncio
+async def test_a_failed_handshake_leaves_no_cycle_on_the_server(
+    tls_server_context: ssl.SSLContext,
+) -> None:
+    # A client that does not trust the server's certificate says so with
+    # an alert: the server's handshake fails with an ssl.SSLError, which
+    # the engine keeps (BROKEN) and the TLS layer keeps for connection_lost.
+    # Its traceback held both's frames: on main every such handshake -- a
+    # public server sees them from scanners and misconfigured clients all
+    # the time -- left its SSLObject for the collector.
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        raise AssertionError("the handshake passed")
+
+    server = await slabnet.start_server(handler, "127.0.0.1", 0, ssl=tls_server_context)
+    loop = asyncio.get_running_loop()
+
+    async def path() -> None:
+        distrust = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # (no CA: verification fails)
+        sock = socket.socket()
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, server.sockets[0].getsockname())
+            peer = RawTLS(sock, distrust, server_side=False, server_hostname="localhost")
+            try:
+                await peer.handshake()
+            except ssl.SSLCertVerificationError:
+                await peer.flush()  # the alert
+            else:
+                raise AssertionError("the client trusted the certificate")
+            # (Until the server ends the connection.)
+            while await loop.sock_recv(sock, 65536):
+                pass
+        finally:
+            sock.close()
+
+    try:
+        left = await _left_by(path)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert not left, f"a failed handshake left a cycle: {dict(left)}"
+
+
+@pytest.mark.asyncio
+async def test_a_broken_record_leaves_no_cycle(
+    tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext
+) -> None:
+    # After the handshake: a record that does not decrypt ends the read
+    # side with the engine's ssl.SSLError (bad record mac), kept by the
+    # engine, by the TLS layer and by the app's reader. On main its
+    # traceback held the engine's read frames -- and the TLS layer's -- and
+    # the connection waited for the collector.
+    held: list[slabnet.StreamWriter] = []
+    served = asyncio.Event()
+
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        held.append(writer)  # (reads nothing: the error is raised in no frame of ours)
+        served.set()
+
+    server = await slabnet.start_server(handler, "127.0.0.1", 0, ssl=tls_server_context)
+    loop = asyncio.get_running_loop()
+
+    async def path() -> None:
+        sock = socket.socket()
+        try:
+            sock.setblocking(False)
+            await loop.sock_connect(sock, server.sockets[0].getsockname())
+            peer = RawTLS(sock, tls_client_context, server_side=False, server_hostname="localhost")
+            await peer.handshake()
+            await served.wait()
+            await peer.send(b"\x17\x03\x03\x00\x20" + bytes(32))
+            try:
+                while await loop.sock_recv(sock, 65536):
+                    pass
+            except ConnectionResetError:
+                pass
+        finally:
+            sock.close()
+            held.clear()
+            served.clear()
+
+    try:
+        left = await _left_by(path)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert not left, f"a broken record left a cycle: {dict(left)}"
