@@ -1067,6 +1067,10 @@ async def _connect(
         await waiter
     except BaseException:
         raw.abort()  # type: ignore[attr-defined]
+        # The error is the waiter's too, and its traceback holds this frame:
+        # without these names the frame refers to no waiter, and the failed
+        # connection (over TLS its SSLObject) is no cycle for the collector.
+        del waiter, made, _
         raise
     transport = protocol._transport
     assert transport is not None

@@ -200,3 +200,53 @@ async def test_a_broken_record_leaves_no_cycle(
         server.close()
         await server.wait_closed()
     assert not left, f"a broken record left a cycle: {dict(left)}"
+
+
+@pytest.mark.parametrize("failure", ["certificate", "timeout"])
+@pytest.mark.asyncio
+async def test_a_failed_open_connection_leaves_no_cycle(
+    listener: socket.socket, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext, failure: str,
+) -> None:
+    # open_connection() raises the handshake's error, which its waiter
+    # holds, from a frame that held the waiter (and the connection's
+    # protocol, which holds it too): on main a cycle for every failed
+    # connect, with the connection's SSLObject in it.
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        raise AssertionError("the handshake passed")
+
+    server = await slabnet.start_server(handler, "127.0.0.1", 0, ssl=tls_server_context)
+    loop = asyncio.get_running_loop()
+
+    async def path() -> None:
+        if failure == "certificate":
+            distrust = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # (no CA: verification fails)
+            try:
+                await slabnet.open_connection(
+                    *server.sockets[0].getsockname()[:2], ssl=distrust,
+                    server_hostname="localhost",
+                )
+            except ssl.SSLCertVerificationError:
+                return
+            raise AssertionError("the client trusted the certificate")
+        # A peer that accepts and never answers.
+        opening = asyncio.ensure_future(slabnet.open_connection(
+            *listener.getsockname(), ssl=tls_client_context, server_hostname="localhost",
+            ssl_handshake_timeout=0.05,
+        ))
+        peer, _ = await loop.sock_accept(listener)
+        try:
+            await opening
+        except slabnet.HandshakeTimeoutError:
+            return
+        finally:
+            peer.close()
+            del opening  # (the task holds the error too)
+        raise AssertionError("the handshake passed")
+
+    try:
+        left = await _left_by(path)
+    finally:
+        server.close()
+        await server.wait_closed()
+    assert not left, f"a failed open_connection left a cycle: {dict(left)}"
