@@ -1062,6 +1062,10 @@ async def _connect(
     except BaseException:
         for slab in made:  # cancelled, maybe after connection_made (uvloop)
             slab.abandon()
+        # Nobody will await it. (uvloop makes the protocol before it
+        # connects: a refused connect leaves the TLS layer waiting on it, in
+        # a cycle through the waiter's done-callback, until it is done.)
+        waiter.cancel()
         raise
     try:
         await waiter

@@ -250,3 +250,26 @@ async def test_a_failed_open_connection_leaves_no_cycle(
         server.close()
         await server.wait_closed()
     assert not left, f"a failed open_connection left a cycle: {dict(left)}"
+
+
+@pytest.mark.asyncio
+async def test_a_refused_tls_connect_leaves_no_cycle(tls_client_context: ssl.SSLContext) -> None:
+    # uvloop makes the connection's protocol before it connects. On a
+    # refused connect the TLS layer, never set up, kept waiting on the
+    # opener's waiter, which nobody would complete: on main a cycle
+    # (layer -> waiter -> its done-callback -> layer) per refused connect.
+    with socket.socket() as closed:  # a port with nobody listening on it
+        closed.bind(("127.0.0.1", 0))
+        address = closed.getsockname()
+
+        async def path() -> None:
+            try:
+                await slabnet.open_connection(
+                    *address, ssl=tls_client_context, server_hostname="localhost"
+                )
+            except ConnectionRefusedError:
+                return
+            raise AssertionError("the connect passed")
+
+        left = await _left_by(path)
+    assert not left, f"a refused connect left a cycle: {dict(left)}"
