@@ -804,7 +804,16 @@ class SlabTransport(WriteGate):
 
     def _connection_lost(self, exc: BaseException | None) -> BaseException | None:
         """The loop's transport is gone: end every write; return the error
-        the connection ended with (ours, from an abort, before the loop's)."""
+        the connection ended with (ours, from an abort, before the loop's).
+
+        The loop's own error (a reset it read) is kept untraced: on the
+        asyncio loop its traceback holds the frame of the read that failed,
+        and with it the buffer that read was given, a slab of ours, which
+        stays pinned as long as the app keeps the error. (Any other error
+        is the protocol's own, raised from a callback of ours: it keeps its
+        traceback.)"""
+        if isinstance(exc, OSError):
+            exc = untraced(exc)
         err = self._error or exc
         self._out.fail(err or ConnectionResetError("connection lost with data unsent"))
         self._close_sock()

@@ -3,10 +3,12 @@
 ``test_lifetime.py`` checks that a connection closed normally leaves nothing
 for the cyclic garbage collector. These tests take the paths that end in an
 error -- a send the kernel refuses, a failed or timed-out TLS handshake, a
-connect given up on -- where slabnet keeps the error to deliver it later: an
-error whose traceback holds slabnet's own frames, kept on the object those
-frames belong to, is a cycle that holds the connection (its SSLObject, the
-data a failed send was given) until a collection of the oldest generation.
+record that does not decrypt, a refused connect, a reset the loop reads --
+where slabnet keeps the error to deliver it later: an error whose traceback
+holds slabnet's own frames, kept on the object those frames belong to, is a
+cycle that holds the connection (its SSLObject, the data a failed send was
+given) until a collection of the oldest generation; one whose traceback
+holds the loop's read frame pins the read's buffer, a slab, while it lives.
 
 Each test does one cycle of the path first (what a loop sets up once), then
 turns the collector off, runs the path a few times and counts slabnet's
@@ -32,7 +34,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 import slabnet
-from conftest import RawTLS, connect_slab
+from conftest import RawTLS, connect_slab, hard_close
 
 WAKE = 5.0  # seconds any wait may take before the test fails
 ROUNDS = 3  # cycles of a path with the collector off
@@ -273,3 +275,28 @@ async def test_a_refused_tls_connect_leaves_no_cycle(tls_client_context: ssl.SSL
 
         left = await _left_by(path)
     assert not left, f"a refused connect left a cycle: {dict(left)}"
+
+
+@pytest.mark.asyncio
+async def test_a_reset_connections_error_pins_no_read_buffer(listener: socket.socket) -> None:
+    # The asyncio loop reads a peer's reset as an error of the read it was
+    # making, into a buffer our get_buffer() gave it: a slab. That error,
+    # the one connection_lost() delivers, had the read's frame (and the
+    # slab's view) in its traceback: on main every reset connection pinned
+    # a 64 KiB slab for as long as the app kept its error -- and a stream
+    # reader keeps it, in a cycle with the reads that raise it.
+    errors: list[BaseException | None] = []
+
+    async def path() -> None:
+        tr, app, peer = await connect_slab(listener)
+        hard_close(peer)
+        errors.append(await asyncio.wait_for(app.lost, WAKE))
+
+    await path()  # (the loop's slab and its first buffer)
+    errors.clear()
+    before = slabnet.memory_stats().pinned_bytes
+    for _ in range(ROUNDS):
+        await path()
+    assert all(isinstance(e, ConnectionResetError) for e in errors), errors
+    pinned = slabnet.memory_stats().pinned_bytes - before
+    assert pinned == 0, f"{len(errors)} kept errors pin {pinned} bytes of read buffers"
