@@ -9,6 +9,7 @@ subclasses only where a caller needs to tell cases apart.
 from __future__ import annotations
 
 import ssl
+from typing import TypeVar
 
 __all__ = [
     "HandshakeTimeoutError",
@@ -51,3 +52,24 @@ class LocalAbortError(ConnectionAbortedError):
     Every waiter of the connection raises it: queued data was dropped, so an
     EOF would hide the loss. ``wait_closed()`` does not.
     """
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def untraced(exc: _E) -> _E:
+    """``exc`` without its traceback: for an error that slabnet catches in
+    its own frames and keeps, to deliver later (a transport's ``_error``,
+    a waiter, a ``WriteRequest``).
+
+    The traceback holds those frames, and each frame its ``self`` and its
+    locals: kept on the object whose method caught it, the error would form
+    a reference cycle (object, error, traceback, frame, object) that holds
+    the connection -- and what the frames held, such as the buffers a
+    failed send was given -- until the cyclic garbage collector runs, which
+    for a long-lived connection may be a long time. Those frames tell the
+    app nothing: where the error is delivered (``drain()``, a read, the
+    awaited request) it is raised, and gets a traceback, there.
+    Exceptions raised by the app's own callbacks keep theirs.
+    """
+    return exc.with_traceback(None)

@@ -1062,11 +1062,19 @@ async def _connect(
     except BaseException:
         for slab in made:  # cancelled, maybe after connection_made (uvloop)
             slab.abandon()
+        # Nobody will await it. (uvloop makes the protocol before it
+        # connects: a refused connect leaves the TLS layer waiting on it, in
+        # a cycle through the waiter's done-callback, until it is done.)
+        waiter.cancel()
         raise
     try:
         await waiter
     except BaseException:
         raw.abort()  # type: ignore[attr-defined]
+        # The error is the waiter's too, and its traceback holds this frame:
+        # without these names the frame refers to no waiter, and the failed
+        # connection (over TLS its SSLObject) is no cycle for the collector.
+        del waiter, made, _
         raise
     transport = protocol._transport
     assert transport is not None

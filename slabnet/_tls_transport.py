@@ -68,6 +68,7 @@ from ._errors import (
     LocalAbortError,
     ShutdownTimeoutError,
     TLSTruncatedError,
+    untraced,
 )
 from ._slab import LEND_SIZE
 from ._tls import TLSEngine
@@ -531,7 +532,7 @@ class TLSTransport(WriteGate):
             # The engine broke on an earlier write (ssl.SSLError): no
             # close_notify can follow. close() never raises (asyncio's
             # does not): the connection ends with that error instead.
-            self._abort(exc)
+            self._abort(untraced(exc))
             return
         self._send_output()
         self._timer = self._loop.call_later(self._shutdown_timeout, self._shutdown_timed_out)
@@ -607,7 +608,7 @@ class TLSTransport(WriteGate):
                 # The engine refused to encrypt (ssl.SSLError): nothing more
                 # can be sent in order. The connection ends with that error,
                 # which every waiter gets, instead of escaping to the loop.
-                self._abort(exc)
+                self._abort(untraced(exc))
                 return
         self._check_pause()
 
@@ -682,6 +683,8 @@ class TLSTransport(WriteGate):
         try:
             done = engine.do_handshake()
         except Exception as exc:
+            # (Kept by the engine and by us: see _errors.untraced.)
+            exc = untraced(exc)
             self._send_output()
             if isinstance(exc, TLSTruncatedError) and self._peer_eof:
                 # The peer's FIN cut the handshake: asyncio's (and uvloop's)
@@ -797,7 +800,7 @@ class TLSTransport(WriteGate):
                 if isinstance(self._error, LocalAbortError):
                     return  # abort() from chunk_received: that was the last
         except Exception as exc:
-            self._read_failed(exc, final)
+            self._read_failed(untraced(exc), final)
             return
         finally:
             if data is not None:

@@ -72,7 +72,7 @@ import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, cast
 
-from ._errors import LocalAbortError
+from ._errors import LocalAbortError, untraced
 from ._pool import BufferPool
 from ._slab import ReadSizer, ReadSlab, _Sealed, _Slab
 from ._write import IOV_MAX, OutQueue, WriteRequest
@@ -512,7 +512,7 @@ class SlabTransport(WriteGate):
         except _SEND_RETRY:
             sent = 0
         except OSError as exc:
-            self._abort(exc)
+            self._abort(untraced(exc))  # (its frame holds `views`: the caller's data)
             return None
         out = self._out
         out.passed(sent)
@@ -671,7 +671,7 @@ class SlabTransport(WriteGate):
                 try:
                     self._send_eof()
                 except OSError as exc:  # (no caller to raise it to)
-                    self._abort(exc)
+                    self._abort(untraced(exc))
             if self._state is _State.CLOSING:
                 self._maybe_close_raw()
 
@@ -689,7 +689,7 @@ class SlabTransport(WriteGate):
             except _SEND_RETRY:
                 break
             except OSError as exc:
-                self._abort(exc)
+                self._abort(untraced(exc))  # (its frame holds `bufs`: the queue)
                 return False
             if out.sent(sent) or sent < sum(b.nbytes for b in bufs):
                 break
@@ -804,7 +804,16 @@ class SlabTransport(WriteGate):
 
     def _connection_lost(self, exc: BaseException | None) -> BaseException | None:
         """The loop's transport is gone: end every write; return the error
-        the connection ended with (ours, from an abort, before the loop's)."""
+        the connection ended with (ours, from an abort, before the loop's).
+
+        The loop's own error (a reset it read) is kept untraced: on the
+        asyncio loop its traceback holds the frame of the read that failed,
+        and with it the buffer that read was given, a slab of ours, which
+        stays pinned as long as the app keeps the error. (Any other error
+        is the protocol's own, raised from a callback of ours: it keeps its
+        traceback.)"""
+        if isinstance(exc, OSError):
+            exc = untraced(exc)
         err = self._error or exc
         self._out.fail(err or ConnectionResetError("connection lost with data unsent"))
         self._close_sock()
