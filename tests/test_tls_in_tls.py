@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import RawTLS, block_until_records, client_ctx, hard_close, server_ctx
+from conftest import RawTLS, client_ctx, hard_close, server_ctx, wait_acked
 from test_asyncio_parity import until
 
 WAKE = 10.0  # seconds any waiter may take to wake
@@ -689,3 +689,42 @@ async def test_server_inner_handshake_sent_behind_the_connect_line(
         sock.close()
         server.close()
         await server.wait_closed()
+
+
+# ---------------------------------------------------------------- defects found here
+
+
+@pytest.mark.asyncio
+async def test_inner_close_notify_is_answered_when_the_outer_one_follows_while_paused(
+    listener: socket.socket, server_cert: Any, tls_ca: Any
+) -> None:
+    # The destination's data and close_notify, then the proxy's close_notify,
+    # all in one read of a client whose reader pauses on the first chunk.
+    # The outer layer delivers its whole read to the paused inner one, which
+    # keeps the records in its engine, and reaches the outer close_notify:
+    # the inner layer heard eof_received() before reading its own
+    # close_notify, which came first, took it for the peer's FIN and closed
+    # without answering it. asyncio's streams answer it (inner close_notify,
+    # then outer), as slabnet does when the reader is not paused.
+    reader, writer, peer = await open_nested(listener, server_cert, tls_ca, limit=1024)
+    payload = random.Random(6).randbytes(40_000)
+    peer.inner.write(payload)
+    wire = peer.outer.seal(peer.outgoing.read()) + peer.inner_close_notify()
+    wire += peer.outer.close_notify()
+    # The socket is paused while all of it arrives, so that one read takes it.
+    writer.transport.pause_reading()
+    await peer.outer.send(wire)
+    await wait_acked(peer.outer.sock)
+    writer.transport.resume_reading()
+    got = bytearray()
+    async with asyncio.timeout(WAKE):
+        while piece := await reader.read(1 << 16):
+            got += piece
+    assert bytes(got) == payload
+    how, plaintext = await peer.outer_end()
+    assert how == "close_notify"
+    assert plaintext, "no inner close_notify came before the outer one"
+    peer.incoming.write(plaintext)
+    peer.inner.unwrap()  # the inner shutdown completes: no SSLWantReadError
+    await wait_closed(writer)
+    peer.outer.sock.close()
