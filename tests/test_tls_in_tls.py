@@ -387,6 +387,55 @@ async def test_outer_connection_ending_during_the_inner_handshake(
     peer.outer.sock.close()
 
 
+@pytest.mark.asyncio
+async def test_cancelled_read_drain_and_wait_closed_leave_the_connection_usable(
+    listener: socket.socket, server_cert: Any, tls_ca: Any
+) -> None:
+    # As with asyncio's streams, a cancelled read() or drain() changes
+    # nothing: the next one gets the bytes. A cancelled wait_closed() leaves
+    # the close going; a later one returns (asyncio's raises CancelledError
+    # then: the close waiter it shares was cancelled with the first).
+    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+    reading = asyncio.ensure_future(reader.read(10))
+    await asyncio.sleep(0)
+    reading.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await reading
+    await peer.send(b"abc")
+    assert await asyncio.wait_for(reader.read(10), WAKE) == b"abc"
+
+    high = 1 << 14
+    writer.transport.set_write_buffer_limits(high=high)
+    sent = 0
+    while writer.transport.get_write_buffer_size() <= high:  # the peer reads nothing
+        writer.write(b"w" * (1 << 20))
+        sent += 1 << 20
+        await asyncio.sleep(0)
+    draining = asyncio.ensure_future(writer.drain())
+    await asyncio.sleep(0)
+    assert not draining.done()
+    draining.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await draining
+    writer.write(b"!")
+    async with asyncio.timeout(45):
+        assert await peer.recv(sent + 1) == b"w" * sent + b"!"
+        await writer.drain()
+
+    writer.close()
+    closing = asyncio.ensure_future(writer.wait_closed())
+    await asyncio.sleep(0)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert await peer.inner_end() == "close_notify"
+    await peer.outer.send(peer.inner_close_notify())
+    assert await peer.outer_end() == ("close_notify", b"")
+    await peer.outer.send(peer.outer.close_notify())
+    await wait_closed(writer)
+    peer.outer.sock.close()
+
+
 # ---------------------------------------------------------------- faults with data
 
 
