@@ -276,14 +276,22 @@ class TLSTransport(WriteGate):
             engine.release_lent()
 
     def eof_received(self) -> bool:
-        self._peer_eof = True
         engine = self._engine
-        if engine is None:
+        if engine is None or self._stage is _Stage.HANDSHAKE:
+            self._peer_eof = True
+            if engine is not None:
+                engine.receive_eof()
+                self._handshake()
             return True
-        if self._stage is _Stage.HANDSHAKE:
-            engine.receive_eof()
-            self._handshake()
-            return True
+        if engine.input_pending and not self._read_over:
+            # Records that came before the EOF are read before it: inside
+            # another TLS layer, which delivers its
+            # whole read even to a paused app, our records can wait in the
+            # engine while that layer reads on to its close_notify. The
+            # peer's close_notify among them is answered with ours, as it
+            # would be without the pause (asyncio's streams answer it too).
+            self._pump(force=True)
+        self._peer_eof = True
         # The peer's FIN ends its direction only: ours stays open until our
         # close. Encrypt what the app wrote this iteration now, while the
         # engine still takes plaintext (a FIN without close_notify breaks
