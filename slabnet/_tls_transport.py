@@ -39,10 +39,11 @@ the peer's FIN came: asyncio sends none then either) and keeps
 reading until the peer's close_notify (or its FIN) ends the read side; then
 it closes the plain connection, which sends what it still queues first. The
 shutdown timeout bounds the wait. After ``close()`` the app's pause no
-longer stops the reads, and at most ``AFTER_CLOSE_MAX`` more plaintext is
-delivered; the rest is read and dropped, as asyncio's shutdown drops it, so
-that the peer's close_notify, however much data comes before it, ends the
-wait.
+longer stops the reads, and the plaintext read is dropped, not delivered
+(neither loop's SSL transport gives the app data after its close(): uvloop
+drops it, the asyncio loop fails the connection with
+APPLICATION_DATA_AFTER_CLOSE_NOTIFY), so that the peer's close_notify,
+however much data comes before it, ends the wait.
 
 Failure. ``_fail`` is the one path for every error that ends the
 connection: the handshake's, the engine's and the app's callbacks'. The
@@ -70,7 +71,6 @@ from ._errors import (
     TLSTruncatedError,
     untraced,
 )
-from ._slab import LEND_SIZE
 from ._tls import TLSEngine
 from ._transport import CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep
 from ._write import WriteRequest
@@ -82,15 +82,6 @@ log = logging.getLogger("slabnet")
 #: asyncio's defaults (asyncio.constants): 60 s handshake, 30 s shutdown.
 SSL_HANDSHAKE_TIMEOUT: Final = 60.0
 SSL_SHUTDOWN_TIMEOUT: Final = 30.0
-
-#: After close(), at most this much more plaintext is delivered (what was on
-#: its way, in the engine and the socket: one read of the loop's lending
-#: buffer, the most a read delivers whole even to a paused app); the rest is
-#: read and dropped until the peer's close_notify. The app is done: a peer
-#: still sending (an upload the server refused) must neither fill a reader
-#: nobody reads nor, by that reader's pause, stall the close_notify exchange
-#: until the shutdown timeout.
-AFTER_CLOSE_MAX: Final = LEND_SIZE
 
 #: Answers the engine sends by itself while the plain connection's queue is
 #: paused -- a KeyUpdate of ours for each the peer requests (RFC 8446
@@ -202,7 +193,6 @@ class TLSTransport(WriteGate):
         # Requests whose plaintext the engine holds until a renegotiation
         # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
         self._held: list[WriteRequest] = []
-        self._after_close = AFTER_CLOSE_MAX  # plaintext still delivered after close()
         self._init_gate()
         if app_paused:
             # STARTTLS on a plain connection whose writing is paused: the app
@@ -404,7 +394,7 @@ class TLSTransport(WriteGate):
     def pause_reading(self) -> None:
         if self._reading_paused or self._closing:
             # (After close(), reading goes on to the peer's close_notify,
-            # as asyncio's shutdown reads: see AFTER_CLOSE_MAX.)
+            # as asyncio's shutdown reads, and drops what it reads.)
             return
         self._reading_paused = True
         assert self._lower is not None
@@ -794,12 +784,13 @@ class TLSTransport(WriteGate):
                     self._read_over = True
                     break
                 if self._closing:
-                    # close() was called: only the peer's close_notify ends
-                    # the shutdown. What was on its way is delivered, the
-                    # rest dropped (AFTER_CLOSE_MAX).
-                    if self._after_close <= 0:
-                        continue
-                    self._after_close -= len(chunk)
+                    # close() was called: the app is done, and only the
+                    # peer's close_notify ends the shutdown. What the peer
+                    # sent before it is dropped: a reader nobody reads must
+                    # neither grow nor, by its pause, stall the exchange,
+                    # and an app that closed (an idle HTTP/2 connection)
+                    # must not get a request that crossed its close_notify.
+                    continue
                 try:
                     deliver(chunk)
                 except Exception as exc:

@@ -14,6 +14,7 @@ import errno
 import hashlib
 import random
 import socket
+import ssl
 from collections.abc import Callable
 from typing import Any
 
@@ -374,3 +375,75 @@ async def test_tls_inside_tls_through_a_tls_proxy(
         assert back == payload[::-1]
     finally:
         listening.close()
+
+
+async def read_after_close(
+    start_server: Callable[..., Any], server_cert: Any, tls_ca: Any
+) -> tuple[bytes | BaseException, BaseException | None]:
+    """A TLS server reads a line and closes; the client's data (and then
+    its close_notify) come after that close(). What the server's read()
+    returned after its close() (or raised), and what wait_closed() raised."""
+    loop = asyncio.get_running_loop()
+    closed = asyncio.Event()
+    result: asyncio.Future[tuple[bytes | BaseException, BaseException | None]] = (
+        loop.create_future()
+    )
+
+    async def handle(reader: Any, writer: Any) -> None:
+        try:
+            assert await reader.readline() == b"GET /a\n"
+            writer.close()
+            closed.set()
+            read: bytes | BaseException
+            try:
+                read = await reader.read()
+            except Exception as exc:
+                read = exc
+            try:
+                await writer.wait_closed()
+            except Exception as exc:
+                result.set_result((read, exc))
+            else:
+                result.set_result((read, None))
+        except BaseException as exc:
+            if not result.done():
+                result.set_exception(exc)
+            raise
+
+    server = await start_server(handle, "127.0.0.1", 0, ssl=server_ctx(server_cert))
+    sock = socket.create_connection(server.sockets[0].getsockname()[:2])
+    try:
+        tls = RawTLS(sock, client_ctx(tls_ca), server_side=False, server_hostname="localhost")
+        async with asyncio.timeout(WAKE):
+            await tls.handshake()
+            await tls.send(tls.seal(b"GET /a\n"))
+            await closed.wait()
+            # Sent after the server's close(); the client has not read the
+            # close_notify yet, so to it the connection is still open.
+            await tls.send(tls.seal(b"GET /b\n", b"x" * 100_000) + tls.close_notify())
+            return await result
+    finally:
+        sock.close()
+        server.close()
+
+
+@pytest.mark.asyncio
+async def test_tls_data_after_close_is_not_delivered(
+    server_cert: Any, tls_ca: Any, loop_name: str
+) -> None:
+    # hypercorn closes an idle HTTP/2 connection (keep-alive timeout) with
+    # writer.close(); a request the client sent at the same moment comes
+    # after the close_notify. Neither loop's SSL transport gives the app
+    # data after its close(): uvloop drops it, the asyncio loop fails the
+    # connection (SSLError APPLICATION_DATA_AFTER_CLOSE_NOTIFY). slabnet
+    # delivered it: hypercorn's reader, still reading, handed the request
+    # to a protocol it had closed, which started a stream on the closed
+    # connection; at shutdown its handler died with "Unhandled exception
+    # in client_connected_cb" (RuntimeError: TaskGroup is shutting down).
+    # slabnet drops it on both loops, as uvloop does.
+    theirs, _ = await read_after_close(asyncio.start_server, server_cert, tls_ca)
+    if loop_name == "uvloop":
+        assert theirs == b""
+    else:
+        assert isinstance(theirs, ssl.SSLError), theirs
+    assert await read_after_close(slabnet.start_server, server_cert, tls_ca) == (b"", None)

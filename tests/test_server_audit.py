@@ -157,7 +157,7 @@ async def test_data_after_the_servers_close_does_not_stall_its_shutdown(
                      server_hostname="localhost")
         await tls.handshake()
         # Far more than the reader holds before it pauses (2 x 64 KiB) and
-        # than is still delivered after close() (AFTER_CLOSE_MAX).
+        # than one read of the loop's lending buffer.
         wire = tls.seal(b"POST\n", *[b"u" * 16384] * 128) + tls.close_notify()
         upload = asyncio.create_task(tls.send(wire))
         assert await read_to_close_notify(tls) == b"413 too large\n"
