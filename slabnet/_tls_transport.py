@@ -275,11 +275,11 @@ class TLSTransport(WriteGate):
             return True
         if engine.input_pending and not self._read_over:
             # Records that came before the EOF are read before it: inside
-            # another TLS layer, which delivers its
-            # whole read even to a paused app, our records can wait in the
-            # engine while that layer reads on to its close_notify. The
-            # peer's close_notify among them is answered with ours, as it
-            # would be without the pause (asyncio's streams answer it too).
+            # another TLS layer, which delivers its whole read even to a
+            # paused app, our records can wait in the engine while that
+            # layer reads on to its close_notify. The peer's close_notify
+            # among them is answered with ours, as it would be without the
+            # pause (asyncio's streams answer it too).
             self._pump(force=True)
         self._peer_eof = True
         # The peer's FIN ends its direction only: ours stays open until our
