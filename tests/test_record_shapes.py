@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import ForgedTLS12, RawTLS, block_until_records, client_ctx, forgeable, server_ctx
+from conftest import ForgedTLS12, RawTLS, block_until_records, client_ctx, records, server_ctx
 from slabnet._errors import TLSRecordError
 from slabnet._slab import LEND_SIZE
 from slabnet._tls import LEND_PIECE, MAX_FRAGMENT, TLSEngine, TLSState
@@ -252,6 +252,276 @@ async def test_stream_tiny_records_arrive_in_few_chunks(
             assert bytes(chunk) == bytes(65 + i % 26 for i in range(n))
             await peer.send(peer.close_notify())
             assert await reader.read() == b""
+        writer.close()
+    finally:
+        sock.close()
+        server.close()
+        await server.wait_closed()
+
+
+# ---------------------------------------------------------------- forged records, engine level
+
+Seal = Callable[[int, bytes], bytes]  # (content type, plaintext) -> wire record
+
+
+@pytest.fixture(params=[TLS12, TLS13], ids=["tls12", "tls13"])
+def version(request: pytest.FixtureRequest) -> ssl.TLSVersion:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=[False, True], ids=["client", "server"])
+def engine_server(request: pytest.FixtureRequest) -> bool:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def forged(
+    tls_ca: Any, server_cert: Any, tmp_path: Any, version: ssl.TLSVersion, engine_server: bool,
+) -> tuple[TLSEngine, Seal, Forged13 | None]:
+    """An OPEN engine and a sealer of the peer's next records (plus the
+    TLS 1.3 forger, for padding and header fields)."""
+    keylog = str(tmp_path / "keys.log")
+    engine, peer = engine_pair(tls_ca, server_cert, version, engine_server=engine_server, keylog=keylog)
+    if version is TLS13:
+        f13 = forger13(peer, keylog, engine_server=engine_server)
+        return engine, f13.seal, f13
+    f12 = ForgedTLS12(keylog, peer.server_hello)  # type: ignore[attr-defined]
+    return engine, (lambda ctype, plain: f12.seal(ctype, plain, from_server=not engine_server)), None
+
+
+def test_long_run_of_empty_records_fails_clearly(
+    forged: tuple[TLSEngine, Seal, Forged13 | None],
+) -> None:
+    # Zero-length application data is legal (RFC 5246 6.2.1, RFC 8446
+    # 5.1); OpenSSL refuses more than 32 in a row (RECORD_TOO_SMALL), as
+    # asyncio's transport, on the same OpenSSL, does. The data in front
+    # comes first, and the run costs a handful of reads, not one a record.
+    engine, seal, _ = forged
+    wire = seal(23, b"first") + b"".join(seal(23, b"") for _ in range(5000)) + seal(23, b"never")
+    chunks, exc, calls = read_all(engine, wire)
+    assert chunks == [b"first"]
+    assert isinstance(exc, ssl.SSLError) and "RECORD_TOO_SMALL" in str(exc)
+    assert engine.read_calls <= 4 and calls <= 4
+    assert_final(engine, exc)
+
+
+def test_empty_records_between_data_are_skipped(
+    forged: tuple[TLSEngine, Seal, Forged13 | None],
+) -> None:
+    # Up to 32 in a row are ignored by OpenSSL; interleaved with data
+    # (3000 of each) nothing is lost and each record costs one read.
+    engine, seal, _ = forged
+    wire = b"".join(seal(23, b"") + seal(23, bytes([48 + i % 10])) for i in range(3000))
+    wire += b"".join(seal(23, b"") for _ in range(30)) + seal(23, b"end")
+    chunks, exc, calls = read_all(engine, wire)
+    assert exc is None
+    assert b"".join(chunks) == bytes(48 + i % 10 for i in range(3000)) + b"end"
+    assert engine.read_calls <= 3001 and calls <= 2 * 3001 + 4
+    assert engine.state is TLSState.OPEN
+
+
+@pytest.mark.parametrize("shape", ["full", "overflow", "max_padding", "too_long"])
+@pytest.mark.parametrize("engine_server", [False, True], ids=["client", "server"])
+@pytest.mark.parametrize("version", [TLS13], ids=["tls13"])
+def test_tls13_record_size_limits(
+    forged: tuple[TLSEngine, Seal, Forged13 | None], shape: str
+) -> None:
+    # 2^14 bytes of plaintext is the limit (RFC 8446 5.1) and 2^14 + 256
+    # the record's (5.2), padding included. One byte of plaintext over:
+    # OpenSSL's record_overflow (DATA_LENGTH_TOO_LONG); one byte of record
+    # over: the scanner's TLSRecordError. Either comes after the data.
+    engine, _, f13 = forged
+    assert f13 is not None
+    first = f13.seal(23, b"a")
+    if shape == "full":
+        body = f13.seal(23, b"x" * MAX_FRAGMENT)
+    elif shape == "overflow":
+        body = f13.seal(23, b"x" * (MAX_FRAGMENT + 1))
+    else:
+        # content (1) + type (1) + padding + tag (16): 2^14 + 256 (+ 1)
+        body = f13.seal(23, b"p", pad=MAX_FRAGMENT + 256 - 18 + (shape == "too_long"))
+    chunks, exc, _ = read_all(engine, first + body + f13.seal(23, b"z"))
+    data = b"".join(chunks)
+    if shape == "full":
+        assert exc is None and data == b"a" + b"x" * MAX_FRAGMENT + b"z"
+    elif shape == "max_padding":
+        assert exc is None and data == b"apz"
+    elif shape == "overflow":
+        assert data == b"a" and isinstance(exc, ssl.SSLError)
+        assert "DATA_LENGTH_TOO_LONG" in str(exc)
+        assert_final(engine, exc)
+    else:
+        assert data == b"a" and isinstance(exc, TLSRecordError)
+        assert "length 16641 is above the limit of 16640" in str(exc)
+        assert_final(engine, exc)
+
+
+# TLS 1.3: (what follows "a", the error's class, words in its message).
+_TLS13_BAD: dict[str, tuple[Callable[[Forged13], bytes], type[BaseException], str]] = {
+    "inner_heartbeat": (lambda f: f.seal(24, b"\x01\x00\x10" + bytes(16)), ssl.SSLError, "BAD_RECORD_TYPE"),
+    "inner_type_99": (lambda f: f.seal(99, b"hi"), ssl.SSLError, "BAD_RECORD_TYPE"),
+    "outer_heartbeat": (lambda f: f.seal(23, b"h", outer_type=24), TLSRecordError, "unknown content type 24"),
+    "outer_type_99": (lambda f: f.seal(23, b"h", outer_type=99), TLSRecordError, "unknown content type 99"),
+    "change_cipher_spec": (lambda f: b"\x14\x03\x03\x00\x01\x01", ssl.SSLError, "BAD_RECORD_TYPE"),
+    "plaintext_handshake": (lambda f: b"\x16\x03\x03\x00\x04\x04\x00\x00\x00", ssl.SSLError, "BAD_RECORD_TYPE"),
+    "version_0301": (lambda f: f.seal(23, b"v", version=0x0301), ssl.SSLError, "WRONG_VERSION_NUMBER"),
+    "version_03ff": (lambda f: f.seal(23, b"v", version=0x03FF), ssl.SSLError, "WRONG_VERSION_NUMBER"),
+    "version_0203": (lambda f: f.seal(23, b"v", version=0x0203), TLSRecordError, "major byte 2 is not 3"),
+    "warning_alerts": (lambda f: b"".join(f.seal(21, b"\x01\x5a") for _ in range(10)), ssl.SSLError, "TOO_MANY_WARN_ALERTS"),
+    "bad_mac": (lambda f: b"\x17\x03\x03\x00\x20" + bytes(32), ssl.SSLError, "BAD_RECORD_MAC"),
+    "not_tls": (lambda f: b"GET / HTTP/1.1\r\n\r\n", TLSRecordError, "unknown content type 71"),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_TLS13_BAD))
+@pytest.mark.parametrize("engine_server", [False, True], ids=["client", "server"])
+@pytest.mark.parametrize("version", [TLS13], ids=["tls13"])
+def test_tls13_hostile_records_after_data(
+    forged: tuple[TLSEngine, Seal, Forged13 | None], shape: str
+) -> None:
+    # Data first, then a specific error; the record behind is never read.
+    engine, _, f13 = forged
+    assert f13 is not None
+    make, kind, words = _TLS13_BAD[shape]
+    wire = f13.seal(23, b"before") + make(f13)
+    wire += f13.seal(23, b"never")
+    chunks, exc, calls = read_all(engine, wire)
+    assert chunks == [b"before"]
+    assert isinstance(exc, kind) and words in str(exc), exc
+    assert engine.read_calls <= 3 and calls <= 3
+    assert_final(engine, exc)
+
+
+_TLS12_BAD: dict[str, tuple[Callable[[Seal], bytes], type[BaseException], str]] = {
+    "heartbeat": (lambda s: s(24, b"\x01\x00\x10" + bytes(16)), TLSRecordError, "unknown content type 24"),
+    "type_99": (lambda s: s(99, b"hi"), TLSRecordError, "unknown content type 99"),
+    "change_cipher_spec": (lambda s: s(20, b"\x01"), ssl.SSLError, "CCS_RECEIVED_EARLY"),
+    "unasked_no_renegotiation": (lambda s: s(21, b"\x01\x64"), ssl.SSLError, "NO_RENEGOTIATION"),
+    "warning_alerts": (lambda s: b"".join(s(21, b"\x01\x5a") for _ in range(10)), ssl.SSLError, "TOO_MANY_WARN_ALERTS"),
+    "data_over_2_14": (lambda s: s(23, b"x" * (MAX_FRAGMENT + 1)), ssl.SSLError, "DATA_LENGTH_TOO_LONG"),
+    "not_tls": (lambda s: b"\x00garbage", TLSRecordError, "unknown content type 0"),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_TLS12_BAD))
+@pytest.mark.parametrize("engine_server", [False, True], ids=["client", "server"])
+@pytest.mark.parametrize("version", [TLS12], ids=["tls12"])
+def test_tls12_hostile_records_after_data(
+    forged: tuple[TLSEngine, Seal, Forged13 | None], shape: str
+) -> None:
+    engine, seal, _ = forged
+    make, kind, words = _TLS12_BAD[shape]
+    wire = seal(23, b"before") + make(seal) + seal(23, b"never")
+    chunks, exc, calls = read_all(engine, wire)
+    assert chunks == [b"before"]
+    assert isinstance(exc, kind) and words in str(exc), exc
+    assert engine.read_calls <= 3 and calls <= 3
+    assert_final(engine, exc)
+
+
+def test_user_canceled_alerts_between_data_are_ignored(
+    forged: tuple[TLSEngine, Seal, Forged13 | None], version: ssl.TLSVersion,
+) -> None:
+    # A warning user_canceled (RFC 8446 6.1) before every data record, 3000
+    # times: OpenSSL ignores each (it counts only alerts in a row), so all
+    # the data comes, one read a record.
+    engine, seal, _ = forged
+    wire = b"".join(seal(21, b"\x01\x5a") + seal(23, bytes([97 + i % 26])) for i in range(3000))
+    chunks, exc, calls = read_all(engine, wire)
+    assert exc is None and b"".join(chunks) == bytes(97 + i % 26 for i in range(3000))
+    assert engine.read_calls <= 2 * 3000 and calls <= 2 * 3000 + 2
+
+
+@pytest.mark.parametrize("engine_server", [False], ids=["client"])
+@pytest.mark.parametrize("version", [TLS13], ids=["tls13"])
+def test_thousands_of_session_tickets(
+    tls_ca: Any, server_cert: Any, version: ssl.TLSVersion, engine_server: bool
+) -> None:
+    # A TLS 1.3 server may send any number of NewSessionTicket messages
+    # (RFC 8446 4.6.1): 4000 of them (1 MB) before data. Each replaces the
+    # last in OpenSSL; the engine keeps none, and they cost a few reads per
+    # lent piece (SSL_read goes through every complete one in the BIO).
+    engine, peer = engine_pair(tls_ca, server_cert, version, engine_server=False, tickets=4000)
+    tickets = peer.take()
+    peer.obj.write(b"after the tickets")
+    wire = tickets + peer.take()
+    assert len(wire) > 4000 * 200
+    chunks, exc, calls = read_all(engine, wire)
+    assert exc is None and chunks == [b"after the tickets"]
+    pieces = -(-len(wire) // LEND_PIECE)
+    assert engine.read_calls <= 2 * pieces and calls <= 2 * pieces
+    assert engine.ssl_object.session is not None
+    assert engine.buffered_ciphertext == 0
+
+
+# ---------------------------------------------------------------- streams
+
+
+def _unread(fd: int) -> int:
+    import fcntl
+    import termios
+
+    return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0])
+
+
+async def _taken(fd: int) -> None:
+    """Until the kernel holds nothing unread on `fd` (the loop took it)."""
+    async with asyncio.timeout(WAKE):
+        while _unread(fd):
+            await asyncio.sleep(0)
+
+
+@VERSIONS
+@pytest.mark.asyncio
+async def test_headers_split_at_every_offset_while_the_reader_pauses(
+    listener: socket.socket, tls_ca: Any, server_cert: Any, version: ssl.TLSVersion,
+) -> None:
+    # Each header cut at each of its offsets (and inside the body), the
+    # first part taken by the loop before the second is sent, while a
+    # 64-byte limit pauses and resumes the reading all along; then a valid
+    # record and bytes that are not TLS: every byte in front arrives, then
+    # TLSRecordError, and nothing after it.
+    loop = asyncio.get_running_loop()
+    served: asyncio.Future[tuple[slabnet.StreamReader, slabnet.StreamWriter]] = loop.create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        served.set_result((reader, writer))
+
+    server = await slabnet.start_server(
+        handle, sock=listener, ssl=server_ctx(server_cert, version), limit=64
+    )
+    sock = socket.socket()
+    try:
+        await loop.sock_connect(sock, listener.getsockname())
+        peer = RawTLS(sock, client_ctx(tls_ca, version), server_side=False, server_hostname="localhost")
+        async with asyncio.timeout(WAKE):
+            await peer.handshake()
+            reader, writer = await served
+        fd = writer.get_extra_info("socket").fileno()
+        got = bytearray()
+
+        async def consume() -> None:
+            while chunk := await reader.read(7):
+                got.extend(chunk)
+
+        consumer = asyncio.create_task(consume())
+        sent = bytearray()
+        for cut in range(12):  # 1-4: inside the header, 5-11: the body
+            plain = [bytes([65 + cut]) * 200, bytes([97 + cut]) * 150]
+            wire = peer.seal(*plain)
+            sent += b"".join(plain)
+            at = records(wire)[1][1]  # the second record's header
+            await peer.send(wire[: at + cut])
+            await _taken(fd)
+            await peer.send(wire[at + cut :])
+            await _taken(fd)
+        last = peer.seal(b"last")
+        sent += b"last"
+        await peer.send(last + b"\x17\x03\x03\xff\xffnot tls")
+        with pytest.raises(TLSRecordError, match="length 65535 is above the limit"):
+            async with asyncio.timeout(WAKE):
+                await consumer
+        assert bytes(got) == bytes(sent)
         writer.close()
     finally:
         sock.close()
