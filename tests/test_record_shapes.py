@@ -400,6 +400,9 @@ _TLS12_BAD: dict[str, tuple[Callable[[Seal], bytes], type[BaseException], str]] 
     "warning_alerts": (lambda s: b"".join(s(21, b"\x01\x5a") for _ in range(10)), ssl.SSLError, "TOO_MANY_WARN_ALERTS"),
     "data_over_2_14": (lambda s: s(23, b"x" * (MAX_FRAGMENT + 1)), ssl.SSLError, "DATA_LENGTH_TOO_LONG"),
     "not_tls": (lambda s: b"\x00garbage", TLSRecordError, "unknown content type 0"),
+    # OpenSSL checks the version before the record's MAC.
+    "version_0301": (lambda s: b"\x17\x03\x01" + s(23, b"v")[3:], ssl.SSLError, "WRONG_VERSION_NUMBER"),
+    "version_0203": (lambda s: b"\x17\x02\x03" + s(23, b"v")[3:], TLSRecordError, "major byte 2 is not 3"),
 }
 
 
@@ -527,3 +530,58 @@ async def test_headers_split_at_every_offset_while_the_reader_pauses(
         sock.close()
         server.close()
         await server.wait_closed()
+
+
+@VERSIONS
+@pytest.mark.parametrize("shape", ["overflow", "not_tls", "empty_run"])
+@pytest.mark.asyncio
+async def test_stream_data_in_front_of_a_bad_record_arrives(
+    listener: socket.socket, tls_ca: Any, server_cert: Any, tmp_path: Any,
+    version: ssl.TLSVersion, shape: str,
+) -> None:
+    # Data and a bad record in one read: the data, then the error, and
+    # nothing after it. asyncio's streams (both loops) lose the data here:
+    # their SSL transport fails the read before handing over what it
+    # decrypted in front of the error.
+    loop = asyncio.get_running_loop()
+    keylog = str(tmp_path / "keys.log")
+    cctx = client_ctx(tls_ca, version)
+    cctx.keylog_filename = keylog
+    sctx = server_ctx(server_cert, version)
+    sctx.num_tickets = 0
+    if version is TLS12:
+        sctx.set_ciphers("ECDHE+AESGCM:!AES256")
+    opening = asyncio.ensure_future(slabnet.open_connection(
+        *listener.getsockname(), ssl=cctx, server_hostname="localhost"
+    ))
+    sock, _ = await loop.sock_accept(listener)
+    try:
+        peer = RawTLS(sock, sctx, server_side=True)
+        async with asyncio.timeout(WAKE):
+            await peer.handshake()
+            reader, writer = await opening
+        seal: Seal
+        if version is TLS13:
+            cipher = peer.obj.cipher()
+            assert cipher is not None
+            seal = Forged13(keylog, cipher[0], from_server=True).seal
+        else:
+            f12 = ForgedTLS12(keylog, peer.first_out)
+            seal = lambda ctype, plain: f12.seal(ctype, plain, from_server=True)  # noqa: E731
+        bad = {
+            "overflow": lambda: seal(23, b"x" * (MAX_FRAGMENT + 1)),
+            "not_tls": lambda: b"\x00garbage, not TLS",
+            "empty_run": lambda: b"".join(seal(23, b"") for _ in range(100)),
+        }[shape]
+        await peer.send(seal(23, b"before") + bad() + seal(23, b"never"))
+        words = {"overflow": "DATA_LENGTH_TOO_LONG", "not_tls": "unknown content type 0",
+                 "empty_run": "RECORD_TOO_SMALL"}[shape]
+        async with asyncio.timeout(WAKE):
+            assert await reader.readexactly(6) == b"before"
+            with pytest.raises(ssl.SSLError, match=words):
+                await reader.read(100)
+            with pytest.raises(ssl.SSLError):
+                await reader.read(100)
+        writer.close()
+    finally:
+        sock.close()
