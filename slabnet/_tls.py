@@ -71,7 +71,10 @@ batch:
   than an empty record of the negotiated cipher (see
   :func:`empty_record_size`).  ``SSL_read`` skips an empty record and goes on
   with the next one, which could be a handshake record;
-* it never waits for more input.
+* it never waits for more input, but what was lent and is not in the BIO
+  yet has arrived: when the plan ends where the BIO does, the next piece
+  goes in and the batch goes on (a 256 KiB read of 1-byte records is one
+  chunk of its 8-11 thousand bytes, not one per 32 KiB piece).
 
 So in TLS 1.2 a handshake, alert or change_cipher_spec record ends the batch
 and is processed by the *next* batch, after the data in front of it has been
@@ -961,37 +964,68 @@ class TLSEngine:
                 )
                 if count <= 0:
                     return self._chunk(parts)
-            if weight:
-                # Records that share one bound (what bulk senders send), each
-                # read into a ``bytes`` of exactly that size by one ``map``,
-                # a loop in C.  When a read raises, list.extend keeps the
-                # parts it already appended.
-                mapped = len(parts)
-                parts.extend(map(read, repeat(weight, count)))
-                calls += count
-                if not parts[-1]:
-                    # close_notify: that read returned b"", and so did every
-                    # later one, without touching the BIO.
-                    self._on_close_notify()
-                    while parts and not parts[-1]:
-                        parts.pop()
-            else:
-                left = bound
-                while count > 0 and left > 0:
-                    count -= 1
-                    calls += 1
-                    part = read(left)
-                    if not part:
+            got = len(parts[0]) if parts else 0
+            while True:
+                start = len(parts)
+                if weight:
+                    # Records that share one bound (what bulk senders send),
+                    # each read into a ``bytes`` of exactly that size by one
+                    # ``map``, a loop in C.  When a read raises, list.extend
+                    # keeps the parts it already appended.
+                    mapped = start
+                    parts.extend(map(read, repeat(weight, count)))
+                    mapped = -1
+                    calls += count
+                    if not parts[-1]:
+                        # close_notify: that read returned b"", and so did
+                        # every later one, without touching the BIO.
                         self._on_close_notify()
+                        while parts and not parts[-1]:
+                            parts.pop()
                         break
-                    parts.append(part)
-                    left -= len(part)
-            if self._incoming.pending < fed - end:
-                # Over-read: a planned record carried no data (a TLS 1.3
-                # session ticket or KeyUpdate), so SSL_read went on into a
-                # record outside the plan, which may not have fit: ask
-                # pending() before the next batch.
-                self._leftover = True
+                else:
+                    left = bound
+                    while count > 0 and left > 0:
+                        count -= 1
+                        calls += 1
+                        part = read(left)
+                        if not part:
+                            self._on_close_notify()
+                            break
+                        parts.append(part)
+                        left -= len(part)
+                    if self._read_final is _EOF:
+                        break
+                if self._incoming.pending < fed - end:
+                    # Over-read: a planned record carried no data (a TLS 1.3
+                    # session ticket or KeyUpdate), so SSL_read went on into
+                    # a record outside the plan, which may not have fit: ask
+                    # pending() before the next batch.
+                    self._leftover = True
+                    break
+                # The plan may end where the BIO does while lent records
+                # that arrived with the same read wait behind it: move the
+                # next piece in and plan on (small records would otherwise
+                # make chunks of one LEND_PIECE's worth, 1 KiB at 1-byte
+                # records, where the batch may take max_chunk).
+                got += sum(map(len, parts[start:]))
+                room = self._max_chunk - got
+                if self._lent is None or room <= 0 or self._incoming.pending >= _LEND_LOW:
+                    break
+                # One bytes for this plan's parts: the batch then holds at
+                # most one piece's worth of small objects at a time.
+                parts[start:] = [b"".join(parts[start:])]
+                self._seal_if_full()  # answers made by these reads, if any
+                limit = self.answers_limit
+                if limit and (self._sealed or self._outgoing.pending >= limit):
+                    break
+                self._top_up()
+                fed = self._avail
+                end, bound, count, weight = self._scanner.data_run(
+                    fed - self._incoming.pending, room, fed
+                )
+                if count <= 0:
+                    break
         except ssl.SSLError as exc:
             # Bytes that came first are returned; what ended the batch is
             # seen again (or kept, for an error) by the next call.

@@ -1,0 +1,587 @@
+"""Hostile record shapes from a real OpenSSL peer, on the TLS read path.
+
+The peer is a real ``SSLObject`` (in memory, or ``RawTLS`` on a loopback
+socket); records no TLS library sends on request are sealed with the keys of
+the real session (``Forged13`` here, ``ForgedTLS12`` from conftest). Each
+test checks that the bytes in front of a bad record arrive, that the error
+names the problem, that nothing after it is delivered, and that the work
+done stays bounded: counted in ``SSLObject.read`` calls, ``read_chunk``
+calls and chunks, never in seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import socket
+import ssl
+import struct
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import slabnet
+from conftest import ForgedTLS12, RawTLS, block_until_records, client_ctx, records, server_ctx
+from slabnet._errors import TLSRecordError
+from slabnet._slab import LEND_SIZE
+from slabnet._tls import LEND_PIECE, MAX_FRAGMENT, TLSEngine, TLSState
+
+TLS12 = ssl.TLSVersion.TLSv1_2
+TLS13 = ssl.TLSVersion.TLSv1_3
+VERSIONS = pytest.mark.parametrize("version", [TLS12, TLS13], ids=["tls12", "tls13"])
+SIDES = pytest.mark.parametrize("engine_server", [False, True], ids=["client", "server"])
+WAKE = 5.0
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _expand_label(digest: Any, secret: bytes, label: bytes, length: int) -> bytes:
+    """HKDF-Expand-Label with an empty context (RFC 8446 7.1)."""
+    info = struct.pack("!HB", length, 6 + len(label)) + b"tls13 " + label + b"\x00"
+    out = block = b""
+    counter = 1
+    while len(out) < length:
+        block = hmac.new(secret, block + info + bytes([counter]), digest).digest()
+        out += block
+        counter += 1
+    return out[:length]
+
+
+class Forged13:
+    """Seals TLS 1.3 application-traffic records as one side of a real
+    session, with its first traffic secret from the keylog (RFC 8446 7.3:
+    key and IV from HKDF-Expand-Label; 5.3: the nonce is the IV xor the
+    sequence number; 5.2: the header is the additional data). The session's
+    own sender must send no record after its Finished (no session tickets),
+    so sequence numbers start at 0."""
+
+    def __init__(self, keylog: str, cipher: str, *, from_server: bool) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
+
+        label = "SERVER_TRAFFIC_SECRET_0" if from_server else "CLIENT_TRAFFIC_SECRET_0"
+        with open(keylog) as f:
+            line = [ln for ln in f.read().splitlines() if ln.startswith(label + " ")][-1]
+        secret = bytes.fromhex(line.split()[2])
+        digest: Any = hashlib.sha384 if cipher.endswith("SHA384") else hashlib.sha256
+        aead: Any = ChaCha20Poly1305 if "CHACHA20" in cipher else AESGCM
+        key_size = 16 if "AES_128" in cipher else 32
+        self._aead = aead(_expand_label(digest, secret, b"key", key_size))
+        self._iv = _expand_label(digest, secret, b"iv", 12)
+        self._seq = 0
+
+    def seal(
+        self, inner_type: int, content: bytes, *, pad: int = 0,
+        version: int = 0x0303, outer_type: int = 23,
+    ) -> bytes:
+        inner = content + bytes([inner_type]) + bytes(pad)
+        header = struct.pack("!BHH", outer_type, version, len(inner) + 16)
+        seq = self._seq.to_bytes(12, "big")
+        self._seq += 1
+        nonce = bytes(a ^ b for a, b in zip(self._iv, seq))
+        return header + self._aead.encrypt(nonce, inner, header)
+
+
+class Peer:
+    """A real SSLObject over memory BIOs, the other side of an engine."""
+
+    def __init__(self, ctx: ssl.SSLContext, *, server_side: bool) -> None:
+        self.incoming = ssl.MemoryBIO()
+        self.outgoing = ssl.MemoryBIO()
+        self.obj = ctx.wrap_bio(
+            self.incoming, self.outgoing, server_side=server_side,
+            server_hostname=None if server_side else "localhost",
+        )
+        self.first_out = b""
+
+    def step(self) -> bool:
+        try:
+            self.obj.do_handshake()
+            return True
+        except ssl.SSLWantReadError:
+            return False
+
+    def take(self) -> bytes:
+        out = self.outgoing.read()
+        self.first_out = self.first_out or out
+        return out
+
+
+def engine_pair(
+    tls_ca: Any, cert: Any, version: ssl.TLSVersion, *, engine_server: bool,
+    keylog: str | None = None, tickets: int = 0,
+) -> tuple[TLSEngine, Peer]:
+    """An engine, OPEN, and its peer; a server peer sends `tickets` TLS 1.3
+    session tickets, which the engine has not been given (peer.take())."""
+    sctx, cctx = server_ctx(cert, version), client_ctx(tls_ca, version)
+    if version is TLS12 and keylog is not None:
+        sctx.set_ciphers("ECDHE+AESGCM:!AES256")
+    sctx.num_tickets = tickets
+    if keylog is not None:
+        cctx.keylog_filename = keylog
+    engine = TLSEngine(
+        sctx if engine_server else cctx, server_side=engine_server,
+        server_hostname=None if engine_server else "localhost",
+    )
+    peer = Peer(cctx if engine_server else sctx, server_side=not engine_server)
+    server_hello = b""
+    for _ in range(10):
+        peer_done = peer.step()
+        if engine.state is TLSState.OPEN and peer_done:
+            break
+        engine.receive_data(peer.take())
+        engine.do_handshake()
+        out = engine.data_to_send()
+        server_hello = server_hello or (out if engine_server else peer.first_out)
+        peer.incoming.write(out)
+    assert engine.state is TLSState.OPEN
+    peer.server_hello = server_hello  # type: ignore[attr-defined]
+    return engine, peer
+
+
+def forger13(peer: Peer, keylog: str, *, engine_server: bool) -> Forged13:
+    cipher = peer.obj.cipher()
+    assert cipher is not None
+    return Forged13(keylog, cipher[0], from_server=not engine_server)
+
+
+def read_all(engine: TLSEngine, wire: bytes, piece: int = LEND_SIZE) -> tuple[list[bytes], BaseException | None, int]:
+    """Lend `wire` as the transport does (reads of `piece` bytes) and read
+    it: (chunks, the error that ended it, read_chunk calls)."""
+    chunks: list[bytes] = []
+    calls = 0
+    try:
+        for off in range(0, len(wire), piece):
+            engine.lend_data(memoryview(wire)[off : off + piece])
+            while True:
+                calls += 1
+                chunk = engine.read_chunk()
+                if chunk is None or not chunk:
+                    break
+                chunks.append(bytes(chunk))
+            engine.release_lent()
+    except (ssl.SSLError, TLSRecordError) as exc:
+        return chunks, exc, calls
+    return chunks, None, calls
+
+
+def assert_final(engine: TLSEngine, exc: BaseException | None) -> None:
+    """The error ends the read side for good: raised again, nothing more."""
+    assert exc is not None and engine.state is TLSState.BROKEN
+    with pytest.raises(type(exc)):
+        engine.read_chunk()
+
+
+# ---------------------------------------------------------------- floods of tiny records
+
+
+@VERSIONS
+@SIDES
+def test_tiny_records_coalesce_across_lent_pieces(
+    tls_ca: Any, server_cert: Any, version: ssl.TLSVersion, engine_server: bool
+) -> None:
+    # A 256 KiB read of 1-byte records holds 8-11 thousand of them, all
+    # arrived, so they make chunks of up to MAX_FRAGMENT bytes. The engine
+    # moves lent bytes into its BIO 32 KiB at a time and planned each batch
+    # from what was in the BIO only: chunks stopped at 1-1.4 KiB (8 times
+    # the chunks; asyncio's SSL transport delivers each read as one piece).
+    engine, peer = engine_pair(tls_ca, server_cert, version, engine_server=engine_server)
+    n = 120_000
+    sent = bytes(i % 251 for i in range(n))
+    for i in range(n):
+        peer.obj.write(sent[i : i + 1])
+    wire = peer.take()
+    size = len(wire) // n  # every record the same size
+    assert len(wire) == n * size and LEND_SIZE // size > 2 * LEND_PIECE // size
+    chunks, exc, _ = read_all(engine, wire)
+    assert exc is None and b"".join(chunks) == sent
+    assert max(map(len, chunks)) <= MAX_FRAGMENT
+    assert engine.read_calls >= n  # one SSL_read a record, as before
+    # One chunk per read, but where a read ends inside a record.
+    reads = -(-len(wire) // LEND_SIZE)
+    assert len(chunks) <= reads + reads, (len(chunks), reads)
+
+
+@VERSIONS
+def test_tiny_records_coalesce_up_to_the_chunk_bound(
+    tls_ca: Any, server_cert: Any, version: ssl.TLSVersion
+) -> None:
+    # A read holding more than MAX_FRAGMENT bytes of tiny records (1 MiB
+    # lent at once) gives chunks of exactly MAX_FRAGMENT.
+    engine, peer = engine_pair(tls_ca, server_cert, version, engine_server=False)
+    n = 3 * MAX_FRAGMENT
+    for _ in range(n):
+        peer.obj.write(b"q")
+    wire = peer.take()
+    chunks, exc, _ = read_all(engine, wire, piece=len(wire))
+    assert exc is None and [len(c) for c in chunks] == [MAX_FRAGMENT] * 3
+
+
+@VERSIONS
+@pytest.mark.asyncio
+async def test_stream_tiny_records_arrive_in_few_chunks(
+    listener: socket.socket, tls_ca: Any, server_cert: Any, version: ssl.TLSVersion
+) -> None:
+    # The same through the stream: 4000 one-byte records waiting together
+    # in the socket are one read, one chunk (three on main, as asyncio's
+    # streams get them: one data_received per read).
+    loop = asyncio.get_running_loop()
+    served: asyncio.Future[tuple[slabnet.StreamReader, slabnet.StreamWriter]] = loop.create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        served.set_result((reader, writer))
+
+    server = await slabnet.start_server(handle, sock=listener, ssl=server_ctx(server_cert, version))
+    sock = socket.socket()
+    try:
+        await loop.sock_connect(sock, listener.getsockname())
+        peer = RawTLS(sock, client_ctx(tls_ca, version), server_side=False, server_hostname="localhost")
+        async with asyncio.timeout(WAKE):
+            await peer.handshake()
+            reader, writer = await served
+        n = 4000
+        wire = peer.seal(*[bytes([65 + i % 26]) for i in range(n)])
+        await peer.send(wire)
+        fd = writer.get_extra_info("socket").fileno()
+        block_until_records(fd, lambda recs: len(recs) >= n)
+        async with asyncio.timeout(WAKE):
+            chunk = await reader.read_chunk()
+            assert len(chunk) == n
+            assert bytes(chunk) == bytes(65 + i % 26 for i in range(n))
+            await peer.send(peer.close_notify())
+            assert await reader.read() == b""
+        writer.close()
+    finally:
+        sock.close()
+        server.close()
+        await server.wait_closed()
+
+
+# ---------------------------------------------------------------- forged records, engine level
+
+Seal = Callable[[int, bytes], bytes]  # (content type, plaintext) -> wire record
+
+
+@pytest.fixture(params=[TLS12, TLS13], ids=["tls12", "tls13"])
+def version(request: pytest.FixtureRequest) -> ssl.TLSVersion:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(params=[False, True], ids=["client", "server"])
+def engine_server(request: pytest.FixtureRequest) -> bool:
+    return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def forged(
+    tls_ca: Any, server_cert: Any, tmp_path: Any, version: ssl.TLSVersion, engine_server: bool,
+) -> tuple[TLSEngine, Seal, Forged13 | None]:
+    """An OPEN engine and a sealer of the peer's next records (plus the
+    TLS 1.3 forger, for padding and header fields)."""
+    keylog = str(tmp_path / "keys.log")
+    engine, peer = engine_pair(tls_ca, server_cert, version, engine_server=engine_server, keylog=keylog)
+    if version is TLS13:
+        f13 = forger13(peer, keylog, engine_server=engine_server)
+        return engine, f13.seal, f13
+    f12 = ForgedTLS12(keylog, peer.server_hello)  # type: ignore[attr-defined]
+    return engine, (lambda ctype, plain: f12.seal(ctype, plain, from_server=not engine_server)), None
+
+
+def test_long_run_of_empty_records_fails_clearly(
+    forged: tuple[TLSEngine, Seal, Forged13 | None],
+) -> None:
+    # Zero-length application data is legal (RFC 5246 6.2.1, RFC 8446
+    # 5.1); OpenSSL refuses more than 32 in a row (RECORD_TOO_SMALL), as
+    # asyncio's transport, on the same OpenSSL, does. The data in front
+    # comes first, and the run costs a handful of reads, not one a record.
+    engine, seal, _ = forged
+    wire = seal(23, b"first") + b"".join(seal(23, b"") for _ in range(5000)) + seal(23, b"never")
+    chunks, exc, calls = read_all(engine, wire)
+    assert chunks == [b"first"]
+    assert isinstance(exc, ssl.SSLError) and "RECORD_TOO_SMALL" in str(exc)
+    assert engine.read_calls <= 4 and calls <= 4
+    assert_final(engine, exc)
+
+
+def test_empty_records_between_data_are_skipped(
+    forged: tuple[TLSEngine, Seal, Forged13 | None],
+) -> None:
+    # Up to 32 in a row are ignored by OpenSSL; interleaved with data
+    # (3000 of each) nothing is lost and each record costs one read.
+    engine, seal, _ = forged
+    wire = b"".join(seal(23, b"") + seal(23, bytes([48 + i % 10])) for i in range(3000))
+    wire += b"".join(seal(23, b"") for _ in range(30)) + seal(23, b"end")
+    chunks, exc, calls = read_all(engine, wire)
+    assert exc is None
+    assert b"".join(chunks) == bytes(48 + i % 10 for i in range(3000)) + b"end"
+    assert engine.read_calls <= 3001 and calls <= 2 * 3001 + 4
+    assert engine.state is TLSState.OPEN
+
+
+@pytest.mark.parametrize("shape", ["full", "overflow", "max_padding", "too_long"])
+@pytest.mark.parametrize("engine_server", [False, True], ids=["client", "server"])
+@pytest.mark.parametrize("version", [TLS13], ids=["tls13"])
+def test_tls13_record_size_limits(
+    forged: tuple[TLSEngine, Seal, Forged13 | None], shape: str
+) -> None:
+    # 2^14 bytes of plaintext is the limit (RFC 8446 5.1) and 2^14 + 256
+    # the record's (5.2), padding included. One byte of plaintext over:
+    # OpenSSL's record_overflow (DATA_LENGTH_TOO_LONG); one byte of record
+    # over: the scanner's TLSRecordError. Either comes after the data.
+    engine, _, f13 = forged
+    assert f13 is not None
+    first = f13.seal(23, b"a")
+    if shape == "full":
+        body = f13.seal(23, b"x" * MAX_FRAGMENT)
+    elif shape == "overflow":
+        body = f13.seal(23, b"x" * (MAX_FRAGMENT + 1))
+    else:
+        # content (1) + type (1) + padding + tag (16): 2^14 + 256 (+ 1)
+        body = f13.seal(23, b"p", pad=MAX_FRAGMENT + 256 - 18 + (shape == "too_long"))
+    chunks, exc, _ = read_all(engine, first + body + f13.seal(23, b"z"))
+    data = b"".join(chunks)
+    if shape == "full":
+        assert exc is None and data == b"a" + b"x" * MAX_FRAGMENT + b"z"
+    elif shape == "max_padding":
+        assert exc is None and data == b"apz"
+    elif shape == "overflow":
+        assert data == b"a" and isinstance(exc, ssl.SSLError)
+        assert "DATA_LENGTH_TOO_LONG" in str(exc)
+        assert_final(engine, exc)
+    else:
+        assert data == b"a" and isinstance(exc, TLSRecordError)
+        assert "length 16641 is above the limit of 16640" in str(exc)
+        assert_final(engine, exc)
+
+
+# TLS 1.3: (what follows "a", the error's class, words in its message).
+_TLS13_BAD: dict[str, tuple[Callable[[Forged13], bytes], type[BaseException], str]] = {
+    "inner_heartbeat": (lambda f: f.seal(24, b"\x01\x00\x10" + bytes(16)), ssl.SSLError, "BAD_RECORD_TYPE"),
+    "inner_type_99": (lambda f: f.seal(99, b"hi"), ssl.SSLError, "BAD_RECORD_TYPE"),
+    "outer_heartbeat": (lambda f: f.seal(23, b"h", outer_type=24), TLSRecordError, "unknown content type 24"),
+    "outer_type_99": (lambda f: f.seal(23, b"h", outer_type=99), TLSRecordError, "unknown content type 99"),
+    "change_cipher_spec": (lambda f: b"\x14\x03\x03\x00\x01\x01", ssl.SSLError, "BAD_RECORD_TYPE"),
+    "plaintext_handshake": (lambda f: b"\x16\x03\x03\x00\x04\x04\x00\x00\x00", ssl.SSLError, "BAD_RECORD_TYPE"),
+    "version_0301": (lambda f: f.seal(23, b"v", version=0x0301), ssl.SSLError, "WRONG_VERSION_NUMBER"),
+    "version_03ff": (lambda f: f.seal(23, b"v", version=0x03FF), ssl.SSLError, "WRONG_VERSION_NUMBER"),
+    "version_0203": (lambda f: f.seal(23, b"v", version=0x0203), TLSRecordError, "major byte 2 is not 3"),
+    "warning_alerts": (lambda f: b"".join(f.seal(21, b"\x01\x5a") for _ in range(10)), ssl.SSLError, "TOO_MANY_WARN_ALERTS"),
+    "bad_mac": (lambda f: b"\x17\x03\x03\x00\x20" + bytes(32), ssl.SSLError, "BAD_RECORD_MAC"),
+    "not_tls": (lambda f: b"GET / HTTP/1.1\r\n\r\n", TLSRecordError, "unknown content type 71"),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_TLS13_BAD))
+@pytest.mark.parametrize("engine_server", [False, True], ids=["client", "server"])
+@pytest.mark.parametrize("version", [TLS13], ids=["tls13"])
+def test_tls13_hostile_records_after_data(
+    forged: tuple[TLSEngine, Seal, Forged13 | None], shape: str
+) -> None:
+    # Data first, then a specific error; the record behind is never read.
+    engine, _, f13 = forged
+    assert f13 is not None
+    make, kind, words = _TLS13_BAD[shape]
+    wire = f13.seal(23, b"before") + make(f13)
+    wire += f13.seal(23, b"never")
+    chunks, exc, calls = read_all(engine, wire)
+    assert chunks == [b"before"]
+    assert isinstance(exc, kind) and words in str(exc), exc
+    assert engine.read_calls <= 3 and calls <= 3
+    assert_final(engine, exc)
+
+
+_TLS12_BAD: dict[str, tuple[Callable[[Seal], bytes], type[BaseException], str]] = {
+    "heartbeat": (lambda s: s(24, b"\x01\x00\x10" + bytes(16)), TLSRecordError, "unknown content type 24"),
+    "type_99": (lambda s: s(99, b"hi"), TLSRecordError, "unknown content type 99"),
+    "change_cipher_spec": (lambda s: s(20, b"\x01"), ssl.SSLError, "CCS_RECEIVED_EARLY"),
+    "unasked_no_renegotiation": (lambda s: s(21, b"\x01\x64"), ssl.SSLError, "NO_RENEGOTIATION"),
+    "warning_alerts": (lambda s: b"".join(s(21, b"\x01\x5a") for _ in range(10)), ssl.SSLError, "TOO_MANY_WARN_ALERTS"),
+    "data_over_2_14": (lambda s: s(23, b"x" * (MAX_FRAGMENT + 1)), ssl.SSLError, "DATA_LENGTH_TOO_LONG"),
+    "not_tls": (lambda s: b"\x00garbage", TLSRecordError, "unknown content type 0"),
+    # OpenSSL checks the version before the record's MAC.
+    "version_0301": (lambda s: b"\x17\x03\x01" + s(23, b"v")[3:], ssl.SSLError, "WRONG_VERSION_NUMBER"),
+    "version_0203": (lambda s: b"\x17\x02\x03" + s(23, b"v")[3:], TLSRecordError, "major byte 2 is not 3"),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(_TLS12_BAD))
+@pytest.mark.parametrize("engine_server", [False, True], ids=["client", "server"])
+@pytest.mark.parametrize("version", [TLS12], ids=["tls12"])
+def test_tls12_hostile_records_after_data(
+    forged: tuple[TLSEngine, Seal, Forged13 | None], shape: str
+) -> None:
+    engine, seal, _ = forged
+    make, kind, words = _TLS12_BAD[shape]
+    wire = seal(23, b"before") + make(seal) + seal(23, b"never")
+    chunks, exc, calls = read_all(engine, wire)
+    assert chunks == [b"before"]
+    assert isinstance(exc, kind) and words in str(exc), exc
+    assert engine.read_calls <= 3 and calls <= 3
+    assert_final(engine, exc)
+
+
+def test_user_canceled_alerts_between_data_are_ignored(
+    forged: tuple[TLSEngine, Seal, Forged13 | None], version: ssl.TLSVersion,
+) -> None:
+    # A warning user_canceled (RFC 8446 6.1) before every data record, 3000
+    # times: OpenSSL ignores each (it counts only alerts in a row), so all
+    # the data comes, one read a record.
+    engine, seal, _ = forged
+    wire = b"".join(seal(21, b"\x01\x5a") + seal(23, bytes([97 + i % 26])) for i in range(3000))
+    chunks, exc, calls = read_all(engine, wire)
+    assert exc is None and b"".join(chunks) == bytes(97 + i % 26 for i in range(3000))
+    assert engine.read_calls <= 2 * 3000 and calls <= 2 * 3000 + 2
+
+
+@pytest.mark.parametrize("engine_server", [False], ids=["client"])
+@pytest.mark.parametrize("version", [TLS13], ids=["tls13"])
+def test_thousands_of_session_tickets(
+    tls_ca: Any, server_cert: Any, version: ssl.TLSVersion, engine_server: bool
+) -> None:
+    # A TLS 1.3 server may send any number of NewSessionTicket messages
+    # (RFC 8446 4.6.1): 4000 of them (1 MB) before data. Each replaces the
+    # last in OpenSSL; the engine keeps none, and they cost a few reads per
+    # lent piece (SSL_read goes through every complete one in the BIO).
+    engine, peer = engine_pair(tls_ca, server_cert, version, engine_server=False, tickets=4000)
+    tickets = peer.take()
+    peer.obj.write(b"after the tickets")
+    wire = tickets + peer.take()
+    assert len(wire) > 4000 * 200
+    chunks, exc, calls = read_all(engine, wire)
+    assert exc is None and chunks == [b"after the tickets"]
+    pieces = -(-len(wire) // LEND_PIECE)
+    assert engine.read_calls <= 2 * pieces and calls <= 2 * pieces
+    assert engine.ssl_object.session is not None
+    assert engine.buffered_ciphertext == 0
+
+
+# ---------------------------------------------------------------- streams
+
+
+def _unread(fd: int) -> int:
+    import fcntl
+    import termios
+
+    return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0])
+
+
+async def _taken(fd: int) -> None:
+    """Until the kernel holds nothing unread on `fd` (the loop took it)."""
+    async with asyncio.timeout(WAKE):
+        while _unread(fd):
+            await asyncio.sleep(0)
+
+
+@VERSIONS
+@pytest.mark.asyncio
+async def test_headers_split_at_every_offset_while_the_reader_pauses(
+    listener: socket.socket, tls_ca: Any, server_cert: Any, version: ssl.TLSVersion,
+) -> None:
+    # Each header cut at each of its offsets (and inside the body), the
+    # first part taken by the loop before the second is sent, while a
+    # 64-byte limit pauses and resumes the reading all along; then a valid
+    # record and bytes that are not TLS: every byte in front arrives, then
+    # TLSRecordError, and nothing after it.
+    loop = asyncio.get_running_loop()
+    served: asyncio.Future[tuple[slabnet.StreamReader, slabnet.StreamWriter]] = loop.create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        served.set_result((reader, writer))
+
+    server = await slabnet.start_server(
+        handle, sock=listener, ssl=server_ctx(server_cert, version), limit=64
+    )
+    sock = socket.socket()
+    try:
+        await loop.sock_connect(sock, listener.getsockname())
+        peer = RawTLS(sock, client_ctx(tls_ca, version), server_side=False, server_hostname="localhost")
+        async with asyncio.timeout(WAKE):
+            await peer.handshake()
+            reader, writer = await served
+        fd = writer.get_extra_info("socket").fileno()
+        got = bytearray()
+
+        async def consume() -> None:
+            while chunk := await reader.read(7):
+                got.extend(chunk)
+
+        consumer = asyncio.create_task(consume())
+        sent = bytearray()
+        for cut in range(12):  # 1-4: inside the header, 5-11: the body
+            plain = [bytes([65 + cut]) * 200, bytes([97 + cut]) * 150]
+            wire = peer.seal(*plain)
+            sent += b"".join(plain)
+            at = records(wire)[1][1]  # the second record's header
+            await peer.send(wire[: at + cut])
+            await _taken(fd)
+            await peer.send(wire[at + cut :])
+            await _taken(fd)
+        last = peer.seal(b"last")
+        sent += b"last"
+        await peer.send(last + b"\x17\x03\x03\xff\xffnot tls")
+        with pytest.raises(TLSRecordError, match="length 65535 is above the limit"):
+            async with asyncio.timeout(WAKE):
+                await consumer
+        assert bytes(got) == bytes(sent)
+        writer.close()
+    finally:
+        sock.close()
+        server.close()
+        await server.wait_closed()
+
+
+@VERSIONS
+@pytest.mark.parametrize("shape", ["overflow", "not_tls", "empty_run"])
+@pytest.mark.asyncio
+async def test_stream_data_in_front_of_a_bad_record_arrives(
+    listener: socket.socket, tls_ca: Any, server_cert: Any, tmp_path: Any,
+    version: ssl.TLSVersion, shape: str,
+) -> None:
+    # Data and a bad record in one read: the data, then the error, and
+    # nothing after it. asyncio's streams (both loops) lose the data here:
+    # their SSL transport fails the read before handing over what it
+    # decrypted in front of the error.
+    loop = asyncio.get_running_loop()
+    keylog = str(tmp_path / "keys.log")
+    cctx = client_ctx(tls_ca, version)
+    cctx.keylog_filename = keylog
+    sctx = server_ctx(server_cert, version)
+    sctx.num_tickets = 0
+    if version is TLS12:
+        sctx.set_ciphers("ECDHE+AESGCM:!AES256")
+    opening = asyncio.ensure_future(slabnet.open_connection(
+        *listener.getsockname(), ssl=cctx, server_hostname="localhost"
+    ))
+    sock, _ = await loop.sock_accept(listener)
+    try:
+        peer = RawTLS(sock, sctx, server_side=True)
+        async with asyncio.timeout(WAKE):
+            await peer.handshake()
+            reader, writer = await opening
+        seal: Seal
+        if version is TLS13:
+            cipher = peer.obj.cipher()
+            assert cipher is not None
+            seal = Forged13(keylog, cipher[0], from_server=True).seal
+        else:
+            f12 = ForgedTLS12(keylog, peer.first_out)
+            seal = lambda ctype, plain: f12.seal(ctype, plain, from_server=True)  # noqa: E731
+        bad = {
+            "overflow": lambda: seal(23, b"x" * (MAX_FRAGMENT + 1)),
+            "not_tls": lambda: b"\x00garbage, not TLS",
+            "empty_run": lambda: b"".join(seal(23, b"") for _ in range(100)),
+        }[shape]
+        await peer.send(seal(23, b"before") + bad() + seal(23, b"never"))
+        words = {"overflow": "DATA_LENGTH_TOO_LONG", "not_tls": "unknown content type 0",
+                 "empty_run": "RECORD_TOO_SMALL"}[shape]
+        async with asyncio.timeout(WAKE):
+            assert await reader.readexactly(6) == b"before"
+            with pytest.raises(ssl.SSLError, match=words):
+                await reader.read(100)
+            with pytest.raises(ssl.SSLError):
+                await reader.read(100)
+        writer.close()
+    finally:
+        sock.close()
