@@ -1,0 +1,154 @@
+"""The loop's and the interpreter's lifecycle around open connections.
+
+``KeyboardInterrupt`` and ``SystemExit`` raised by app code that slabnet
+calls synchronously leave the loop (asyncio's transports let them out of
+``run_forever``; uvloop's catch them in its read callback and fail the
+transport with them). Either way the connection's state must stay
+consistent: running the loop again goes on from where it stopped, and
+closing it neither hangs nor raises inside slabnet.
+
+Each test makes and closes a loop of its own, so each is parametrized over
+both loop kinds here (the project's automatic loop parametrization applies
+to pytest-asyncio tests only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import uvloop
+
+import slabnet
+
+LOOPS = [
+    pytest.param(asyncio.new_event_loop, id="asyncio"),
+    pytest.param(uvloop.new_event_loop, id="uvloop"),
+]
+
+WAKE = 3.0  # seconds: a wait that a working connection ends in milliseconds
+
+
+@pytest.fixture(params=LOOPS)
+def loop(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoop]:
+    new: Callable[[], asyncio.AbstractEventLoop] = request.param
+    lp = new()
+    try:
+        yield lp
+    finally:
+        if not lp.is_closed():
+            lp.close()
+
+
+def slabnet_handles(loop: asyncio.AbstractEventLoop) -> list[Any]:
+    """slabnet's callbacks still scheduled on an asyncio loop (uvloop does
+    not show its queue: empty there). The ReadSlab's trim timer is the
+    loop's, not a connection's (one per loop, by design), and is left out."""
+    handles = list(getattr(loop, "_scheduled", [])) + list(getattr(loop, "_ready", []))
+    return [
+        h for h in handles
+        if not h.cancelled() and "slabnet" in repr(h) and "ReadSlab._on_timer" not in repr(h)
+    ]
+
+
+class Recorder(slabnet.ChunkProtocol):
+    """An app protocol that records what it gets; ``interrupt(n)`` makes its
+    ``n``-th chunk raise KeyboardInterrupt (after recording it)."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.data = bytearray()
+        self.chunks = 0
+        self.interrupt_at = 0
+        self.pause_at = 0
+        self.lost: asyncio.Future[BaseException | None] | None = None
+        self.grew: asyncio.Event | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.lost = asyncio.get_running_loop().create_future()
+        self.grew = asyncio.Event()
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        self.data += chunk
+        self.chunks += 1
+        assert self.grew is not None
+        self.grew.set()
+        if self.chunks == self.pause_at:
+            self.transport.pause_reading()
+        if self.chunks == self.interrupt_at:
+            raise KeyboardInterrupt("from chunk_received")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        assert self.lost is not None
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+    async def until(self, size: int) -> None:
+        assert self.grew is not None
+        while len(self.data) < size:
+            self.grew.clear()
+            await asyncio.wait_for(self.grew.wait(), WAKE)
+
+
+def run(loop: asyncio.AbstractEventLoop, aw: Any) -> Any:
+    return loop.run_until_complete(asyncio.wait_for(aw, WAKE))
+
+
+def test_interrupt_in_chunk_received_of_held_bytes_leaves_reading_on(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """KeyboardInterrupt from the chunk a resume_reading() delivers (bytes
+    a read made while paused held, on the selector loop) left the socket
+    paused for good: the connection never read again. asyncio's transport
+    reads on after it; so does slabnet now."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    peer: socket.socket | None = None
+    app = Recorder()
+    app.pause_at = 1
+    app.interrupt_at = 2
+    try:
+        async def connect() -> None:
+            await loop.create_connection(
+                lambda: slabnet.SlabProtocol(app), *listener.getsockname()
+            )
+
+        run(loop, connect())
+        tr = app.transport
+        peer, _ = listener.accept()
+        peer.sendall(b"a" * 10)
+        run(loop, app.until(10))
+        assert not tr.is_reading()
+        peer.sendall(b"b" * 10)  # held by a read made while paused, or left in the socket
+
+        async def settle() -> None:
+            for _ in range(20):  # (iterations, not time: the read happens in one)
+                await asyncio.sleep(0)
+
+        run(loop, settle())
+        tr.resume_reading()
+        interrupted = False
+        try:
+            run(loop, app.until(20))
+        except KeyboardInterrupt:
+            interrupted = True  # asyncio's loop: out of run_forever, as its own transports
+        assert bytes(app.data) == b"a" * 10 + b"b" * 10
+        assert app.lost is not None
+        if not interrupted:
+            # uvloop fails the transport with it, as for its own protocols.
+            assert isinstance(run(loop, asyncio.shield(app.lost)), KeyboardInterrupt)
+        else:
+            # The loop runs again: the connection reads on, and closes.
+            peer.sendall(b"c" * 10)
+            run(loop, app.until(30))
+            assert bytes(app.data).endswith(b"c" * 10)
+            tr.close()
+            assert run(loop, asyncio.shield(app.lost)) is None
+        assert slabnet_handles(loop) == []
+    finally:
+        if peer is not None:
+            peer.close()
+        listener.close()
