@@ -796,6 +796,15 @@ class TLSTransport(WriteGate):
                 except Exception as exc:
                     app_error = exc
                     break
+                except BaseException:
+                    # KeyboardInterrupt, SystemExit: out of run_forever, as
+                    # the loops let them out. What this read decrypted
+                    # beyond the chunk would wait in the engine for the
+                    # peer's next bytes, which may never come: delivered
+                    # (and answered) once the loop runs again.
+                    if not final:
+                        self._loop.call_soon(self._pump)
+                    raise
                 if isinstance(self._error, LocalAbortError):
                     return  # abort() from chunk_received: that was the last
         except Exception as exc:

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -152,3 +154,83 @@ def test_interrupt_in_chunk_received_of_held_bytes_leaves_reading_on(
         if peer is not None:
             peer.close()
         listener.close()
+
+
+class BlockingTLSPeer:
+    """A TLS server on a blocking socket: its handshake runs on a thread
+    while the test's loop runs the client's; after it, the test sends from
+    its own thread while the loop is stopped, so what it sent has all
+    arrived before the client reads."""
+
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.ctx = ctx
+        self.sock: ssl.SSLSocket | None = None
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        raw, _ = self.listener.accept()
+        raw.settimeout(WAKE)
+        self.sock = self.ctx.wrap_socket(raw, server_side=True)
+
+    def ready(self) -> ssl.SSLSocket:
+        self.thread.join(WAKE)
+        assert self.sock is not None
+        return self.sock
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.listener.close()
+
+
+def test_interrupt_in_tls_chunk_received_delivers_the_rest_later(
+    loop: asyncio.AbstractEventLoop,
+    tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    """KeyboardInterrupt from the app's first chunk of a TLS read left the
+    read's other records in the engine, undelivered until the peer sent
+    more: a peer waiting for an answer waited for good. (asyncio's SSL
+    transport leaves them so too, in its SSLObject.) slabnet delivers them
+    once the loop runs again."""
+    peer = BlockingTLSPeer(tls_server_context)
+    app = Recorder()
+    app.interrupt_at = 1
+    try:
+        async def connect() -> None:
+            await loop.create_connection(
+                lambda: slabnet.SlabProtocol(
+                    app, ssl=tls_client_context, server_hostname="localhost"
+                ),
+                *peer.listener.getsockname(),
+            )
+
+        run(loop, connect())
+        # (The loop runs meanwhile: it sends the client's last flight.)
+        sock = run(loop, loop.run_in_executor(None, peer.ready))
+        # Three 16 KiB chunks, all in the client's socket before it reads.
+        payload = bytes(range(256)) * 192
+        sock.sendall(payload)
+        interrupted = False
+        try:
+            run(loop, app.until(len(payload)))
+        except KeyboardInterrupt:
+            interrupted = True  # asyncio's loop: out of run_forever
+        assert app.lost is not None
+        if interrupted:
+            assert 0 < len(app.data) < len(payload)
+            run(loop, app.until(len(payload)))  # the peer sends nothing more
+            assert bytes(app.data) == payload
+            app.transport.write(b"answer")
+            assert run(loop, loop.run_in_executor(None, sock.recv, 100)) == b"answer"
+            app.transport.close()
+            run(loop, loop.run_in_executor(None, sock.unwrap))  # close_notify both ways
+            assert run(loop, asyncio.shield(app.lost)) is None
+        else:
+            # uvloop fails the transport with it, after every byte read.
+            assert isinstance(run(loop, asyncio.shield(app.lost)), KeyboardInterrupt)
+            assert bytes(app.data) == payload
+        assert slabnet_handles(loop) == []
+    finally:
+        peer.close()
