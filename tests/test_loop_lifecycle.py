@@ -15,8 +15,11 @@ to pytest-asyncio tests only).
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
 import socket
 import ssl
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Iterator
@@ -302,3 +305,101 @@ def test_the_loop_stopped_at_every_iteration_completes_handshake_drain_and_close
     server.close()
     run(loop, server.wait_closed())
     assert slabnet_handles(loop) == []
+
+
+RUNNERS = [
+    pytest.param(asyncio.run, id="asyncio.run"),
+    pytest.param(uvloop.run, id="uvloop.run"),
+]
+
+
+def socket_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("case", ["plain", "tls", "handshake", "closing", "starttls"])
+def test_run_returns_with_connections_open(
+    runner: Callable[..., Any], case: str,
+    tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    """``asyncio.run()``/``uvloop.run()`` (debug mode) returning while
+    slabnet connections are open -- plain, TLS, a client in its handshake,
+    one whose close_notify waits for an answer, a server with connected
+    clients, a STARTTLS in progress: nothing is reported by slabnet's code
+    (no exception to the handler, no unraisable exception, no pending
+    task destroyed), only ResourceWarnings, and every socket is closed
+    once the objects go."""
+    baseline = socket_fds()
+    reports: list[dict[str, Any]] = []
+    unraisable: list[Any] = []
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    peer: BlockingTLSPeer | None = None
+    if case == "closing":
+        peer = BlockingTLSPeer(tls_server_context)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, ctx: reports.append(ctx))
+        kept: list[Any] = []
+
+        async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+            kept.append(writer)
+            await reader.read()
+
+        tls = case == "tls"
+        server = await slabnet.start_server(
+            handler, "127.0.0.1", 0, ssl=tls_server_context if tls else None
+        )
+        port = server.sockets[0].getsockname()[1]
+        if case in ("plain", "tls"):
+            kw: dict[str, Any] = (
+                {"ssl": tls_client_context, "server_hostname": "localhost"} if tls else {}
+            )
+            reader, writer = await slabnet.open_connection("127.0.0.1", port, **kw)
+            writer.write(b"x" * 100_000)
+            kept.append((reader, writer))
+        elif case == "handshake":
+            kept.append(loop.create_task(slabnet.open_connection(
+                *silent.getsockname(), ssl=tls_client_context, server_hostname="localhost",
+            )))
+            await asyncio.sleep(0.05)  # (connected, in the handshake)
+        elif case == "closing":
+            assert peer is not None
+            reader, writer = await slabnet.open_connection(
+                *peer.listener.getsockname(), ssl=tls_client_context,
+                server_hostname="localhost",
+            )
+            await loop.run_in_executor(None, peer.ready)
+            writer.close()  # our close_notify: the peer never answers
+            kept.append(writer)
+        elif case == "starttls":
+            reader, writer = await slabnet.open_connection(*silent.getsockname())
+            kept.append(loop.create_task(writer.start_tls(
+                tls_client_context, server_hostname="localhost"
+            )))
+            await asyncio.sleep(0.05)
+        kept.append(server)
+
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner(main(), debug=True)
+            gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+        silent.close()
+        if peer is not None:
+            peer.close()
+    assert [ctx.get("message") for ctx in reports] == []
+    assert unraisable == []
+    assert {w.category for w in caught} <= {ResourceWarning}, [str(w.message) for w in caught]
+    assert socket_fds() == baseline
