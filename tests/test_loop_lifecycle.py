@@ -336,6 +336,7 @@ def test_run_returns_with_connections_open(
     (no exception to the handler, no unraisable exception, no pending
     task destroyed), only ResourceWarnings, and every socket is closed
     once the objects go."""
+    gc.collect()  # (what earlier tests left for the collector)
     baseline = socket_fds()
     reports: list[dict[str, Any]] = []
     unraisable: list[Any] = []
@@ -402,4 +403,4 @@ def test_run_returns_with_connections_open(
     assert [ctx.get("message") for ctx in reports] == []
     assert unraisable == []
     assert {w.category for w in caught} <= {ResourceWarning}, [str(w.message) for w in caught]
-    assert socket_fds() == baseline
+    assert socket_fds() <= baseline
