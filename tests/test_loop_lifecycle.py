@@ -29,6 +29,7 @@ import pytest
 import uvloop
 
 import slabnet
+from conftest import hard_close
 
 LOOPS = [
     pytest.param(asyncio.new_event_loop, id="asyncio"),
@@ -75,6 +76,7 @@ class Recorder(slabnet.ChunkProtocol):
         self.data = bytearray()
         self.chunks = 0
         self.interrupt_at = 0
+        self.interrupt_after = 0  # and every chunk after this one raises
         self.pause_at = 0
         self.lost: asyncio.Future[BaseException | None] | None = None
         self.grew: asyncio.Event | None = None
@@ -91,7 +93,7 @@ class Recorder(slabnet.ChunkProtocol):
         self.grew.set()
         if self.chunks == self.pause_at:
             self.transport.pause_reading()
-        if self.chunks == self.interrupt_at:
+        if self.chunks == self.interrupt_at or 0 < self.interrupt_after < self.chunks:
             raise KeyboardInterrupt("from chunk_received")
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -404,3 +406,52 @@ def test_run_returns_with_connections_open(
     assert unraisable == []
     assert {w.category for w in caught} <= {ResourceWarning}, [str(w.message) for w in caught]
     assert socket_fds() <= baseline
+
+
+def test_interrupt_in_the_last_tls_delivery_still_reports_connection_lost(
+    loop: asyncio.AbstractEventLoop,
+    tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    """When the connection goes, the TLS layer delivers what its engine
+    still holds (a paused app's records) before the app's connection_lost.
+    A KeyboardInterrupt from that delivery skipped the rest of
+    connection_lost: the app never heard that the connection went (a
+    stream's reader would wait for good), and the layer stayed READY. Now
+    connection_lost follows, as it follows the plain connection's held
+    bytes."""
+    peer = BlockingTLSPeer(tls_server_context)
+    app = Recorder()
+    app.pause_at = app.interrupt_at = app.interrupt_after = 1
+    try:
+        async def connect() -> None:
+            await loop.create_connection(
+                lambda: slabnet.SlabProtocol(
+                    app, ssl=tls_client_context, server_hostname="localhost"
+                ),
+                *peer.listener.getsockname(),
+            )
+
+        run(loop, connect())
+        sock = run(loop, loop.run_in_executor(None, peer.ready))
+        sock.sendall(bytes(range(256)) * 192)  # all in the client's socket before it reads
+        assert app.lost is not None
+        with pytest.raises(KeyboardInterrupt):
+            run(loop, app.until(1))
+        if not app.lost.done():
+            # asyncio's loop: the first chunk's interrupt. The rest waits in
+            # the engine, paused, until the peer resets the connection.
+            assert app.transport.has_pending_input()
+            hard_close(sock)
+            peer.sock = None
+            with pytest.raises(KeyboardInterrupt):
+                run(loop, asyncio.shield(app.lost))
+            assert isinstance(run(loop, asyncio.shield(app.lost)), ConnectionResetError)
+        else:
+            # uvloop failed the transport with the first chunk's interrupt;
+            # the second came from connection_lost's delivery.
+            assert isinstance(app.lost.result(), KeyboardInterrupt)
+        assert app.chunks == 2
+        assert app.transport.is_closing()
+        assert slabnet_handles(loop) == []
+    finally:
+        peer.close()
