@@ -301,9 +301,17 @@ class TLSTransport(WriteGate):
             self._timer = None
         if self._error is None:
             self._error = exc  # (an error of the final delivery comes second)
-        if self._engine is not None and stage is not _Stage.HANDSHAKE and not self._read_over:
-            # Deliver every byte that was decrypted before the connection went.
-            self._pump(force=True, final=True)
+        try:
+            if self._engine is not None and stage is not _Stage.HANDSHAKE and not self._read_over:
+                # Deliver every byte that was decrypted before the connection went.
+                self._pump(force=True, final=True)
+        finally:
+            # Even if the app's chunk_received raised KeyboardInterrupt or
+            # SystemExit there: the app still hears the connection go.
+            self._end(stage)
+
+    def _end(self, stage: _Stage) -> None:
+        """The rest of connection_lost, once what was decrypted is delivered."""
         err = self._error
         self._fail_writes(err or ConnectionResetError("connection lost with data unsent"))
         self._stage = _Stage.DONE  # always allowed: the connection is gone
@@ -796,6 +804,15 @@ class TLSTransport(WriteGate):
                 except Exception as exc:
                     app_error = exc
                     break
+                except BaseException:
+                    # KeyboardInterrupt, SystemExit: out of run_forever, as
+                    # the loops let them out. What this read decrypted
+                    # beyond the chunk would wait in the engine for the
+                    # peer's next bytes, which may never come: delivered
+                    # (and answered) once the loop runs again.
+                    if not final:
+                        self._loop.call_soon(self._pump)
+                    raise
                 if isinstance(self._error, LocalAbortError):
                     return  # abort() from chunk_received: that was the last
         except Exception as exc:

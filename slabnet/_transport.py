@@ -1165,6 +1165,14 @@ class SlabProtocol(asyncio.BufferedProtocol):
             except Exception as exc:
                 self._app_failed(exc, "chunk_received")
                 return
+            except BaseException:
+                # KeyboardInterrupt, SystemExit: out of run_forever, as the
+                # loops let them out of their own callbacks. The rest (the
+                # held EOF, the socket's resume) is done once the loop runs
+                # again, or the socket would stay paused for good.
+                self._release_scheduled = True
+                self.loop.call_soon(self._release_held)
+                raise
         if self._eof_held and not self._paused:
             self._eof_held = False
             try:

@@ -1,0 +1,457 @@
+"""The loop's and the interpreter's lifecycle around open connections.
+
+``KeyboardInterrupt`` and ``SystemExit`` raised by app code that slabnet
+calls synchronously leave the loop (asyncio's transports let them out of
+``run_forever``; uvloop's catch them in its read callback and fail the
+transport with them). Either way the connection's state must stay
+consistent: running the loop again goes on from where it stopped, and
+closing it neither hangs nor raises inside slabnet.
+
+Each test makes and closes a loop of its own, so each is parametrized over
+both loop kinds here (the project's automatic loop parametrization applies
+to pytest-asyncio tests only).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import os
+import socket
+import ssl
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import uvloop
+
+import slabnet
+from conftest import hard_close
+
+LOOPS = [
+    pytest.param(asyncio.new_event_loop, id="asyncio"),
+    pytest.param(uvloop.new_event_loop, id="uvloop"),
+]
+
+WAKE = 3.0  # seconds: a wait that a working connection ends in milliseconds
+
+
+@pytest.fixture(params=LOOPS)
+def loop(request: pytest.FixtureRequest) -> Iterator[asyncio.AbstractEventLoop]:
+    new: Callable[[], asyncio.AbstractEventLoop] = request.param
+    lp = new()
+    try:
+        yield lp
+    finally:
+        if not lp.is_closed():
+            # uvloop's close() hangs when its ResourceWarning for a handle
+            # still open is an error (as pyproject makes warnings): recorded
+            # here, and reported.
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                lp.close()
+            assert [str(w.message) for w in caught] == []
+
+
+def slabnet_handles(loop: asyncio.AbstractEventLoop) -> list[Any]:
+    """slabnet's callbacks still scheduled on an asyncio loop (uvloop does
+    not show its queue: empty there). The ReadSlab's trim timer is the
+    loop's, not a connection's (one per loop, by design), and is left out."""
+    handles = list(getattr(loop, "_scheduled", [])) + list(getattr(loop, "_ready", []))
+    return [
+        h for h in handles
+        if not h.cancelled() and "slabnet" in repr(h) and "ReadSlab._on_timer" not in repr(h)
+    ]
+
+
+class Recorder(slabnet.ChunkProtocol):
+    """An app protocol that records what it gets; ``interrupt(n)`` makes its
+    ``n``-th chunk raise KeyboardInterrupt (after recording it)."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.data = bytearray()
+        self.chunks = 0
+        self.interrupt_at = 0
+        self.interrupt_after = 0  # and every chunk after this one raises
+        self.pause_at = 0
+        self.lost: asyncio.Future[BaseException | None] | None = None
+        self.grew: asyncio.Event | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.lost = asyncio.get_running_loop().create_future()
+        self.grew = asyncio.Event()
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        self.data += chunk
+        self.chunks += 1
+        assert self.grew is not None
+        self.grew.set()
+        if self.chunks == self.pause_at:
+            self.transport.pause_reading()
+        if self.chunks == self.interrupt_at or 0 < self.interrupt_after < self.chunks:
+            raise KeyboardInterrupt("from chunk_received")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        assert self.lost is not None
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+    async def until(self, size: int) -> None:
+        assert self.grew is not None
+        while len(self.data) < size:
+            self.grew.clear()
+            await asyncio.wait_for(self.grew.wait(), WAKE)
+
+
+def run(loop: asyncio.AbstractEventLoop, aw: Any) -> Any:
+    return loop.run_until_complete(asyncio.wait_for(aw, WAKE))
+
+
+def test_interrupt_in_chunk_received_of_held_bytes_leaves_reading_on(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """KeyboardInterrupt from the chunk a resume_reading() delivers (bytes
+    a read made while paused held, on the selector loop) left the socket
+    paused for good: the connection never read again. asyncio's transport
+    reads on after it; so does slabnet now."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    peer: socket.socket | None = None
+    app = Recorder()
+    app.pause_at = 1
+    app.interrupt_at = 2
+    try:
+        async def connect() -> None:
+            await loop.create_connection(
+                lambda: slabnet.SlabProtocol(app), *listener.getsockname()
+            )
+
+        run(loop, connect())
+        tr = app.transport
+        peer, _ = listener.accept()
+        peer.sendall(b"a" * 10)
+        run(loop, app.until(10))
+        assert not tr.is_reading()
+        peer.sendall(b"b" * 10)  # held by a read made while paused, or left in the socket
+
+        async def settle() -> None:
+            for _ in range(20):  # (iterations, not time: the read happens in one)
+                await asyncio.sleep(0)
+
+        run(loop, settle())
+        tr.resume_reading()
+        interrupted = False
+        try:
+            run(loop, app.until(20))
+        except KeyboardInterrupt:
+            interrupted = True  # asyncio's loop: out of run_forever, as its own transports
+        assert bytes(app.data) == b"a" * 10 + b"b" * 10
+        assert app.lost is not None
+        if not interrupted:
+            # uvloop fails the transport with it, as for its own protocols.
+            assert isinstance(run(loop, asyncio.shield(app.lost)), KeyboardInterrupt)
+        else:
+            # The loop runs again: the connection reads on, and closes.
+            peer.sendall(b"c" * 10)
+            run(loop, app.until(30))
+            assert bytes(app.data).endswith(b"c" * 10)
+            tr.close()
+            assert run(loop, asyncio.shield(app.lost)) is None
+        assert slabnet_handles(loop) == []
+    finally:
+        if peer is not None:
+            peer.close()
+        listener.close()
+
+
+class BlockingTLSPeer:
+    """A TLS server on a blocking socket: its handshake runs on a thread
+    while the test's loop runs the client's; after it, the test sends from
+    its own thread while the loop is stopped, so what it sent has all
+    arrived before the client reads."""
+
+    def __init__(self, ctx: ssl.SSLContext) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.ctx = ctx
+        self.sock: ssl.SSLSocket | None = None
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        raw, _ = self.listener.accept()
+        raw.settimeout(WAKE)
+        self.sock = self.ctx.wrap_socket(raw, server_side=True)
+
+    def ready(self) -> ssl.SSLSocket:
+        self.thread.join(WAKE)
+        assert self.sock is not None
+        return self.sock
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+        self.listener.close()
+
+
+def test_interrupt_in_tls_chunk_received_delivers_the_rest_later(
+    loop: asyncio.AbstractEventLoop,
+    tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    """KeyboardInterrupt from the app's first chunk of a TLS read left the
+    read's other records in the engine, undelivered until the peer sent
+    more: a peer waiting for an answer waited for good. (asyncio's SSL
+    transport leaves them so too, in its SSLObject.) slabnet delivers them
+    once the loop runs again."""
+    peer = BlockingTLSPeer(tls_server_context)
+    app = Recorder()
+    app.interrupt_at = 1
+    try:
+        async def connect() -> None:
+            await loop.create_connection(
+                lambda: slabnet.SlabProtocol(
+                    app, ssl=tls_client_context, server_hostname="localhost"
+                ),
+                *peer.listener.getsockname(),
+            )
+
+        run(loop, connect())
+        # (The loop runs meanwhile: it sends the client's last flight.)
+        sock = run(loop, loop.run_in_executor(None, peer.ready))
+        # Three 16 KiB chunks, all in the client's socket before it reads.
+        payload = bytes(range(256)) * 192
+        sock.sendall(payload)
+        interrupted = False
+        try:
+            run(loop, app.until(len(payload)))
+        except KeyboardInterrupt:
+            interrupted = True  # asyncio's loop: out of run_forever
+        assert app.lost is not None
+        if interrupted:
+            assert 0 < len(app.data) < len(payload)
+            run(loop, app.until(len(payload)))  # the peer sends nothing more
+            assert bytes(app.data) == payload
+            app.transport.write(b"answer")
+            assert run(loop, loop.run_in_executor(None, sock.recv, 100)) == b"answer"
+            app.transport.close()
+            run(loop, loop.run_in_executor(None, sock.unwrap))  # close_notify both ways
+            assert run(loop, asyncio.shield(app.lost)) is None
+        else:
+            # uvloop fails the transport with it, after every byte read.
+            assert isinstance(run(loop, asyncio.shield(app.lost)), KeyboardInterrupt)
+            assert bytes(app.data) == payload
+        assert slabnet_handles(loop) == []
+    finally:
+        peer.close()
+
+
+def test_the_loop_stopped_at_every_iteration_completes_handshake_drain_and_close(
+    loop: asyncio.AbstractEventLoop,
+    tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    """``loop.stop()`` in every iteration of a TLS handshake, a drain of a
+    large write and a close_notify exchange, and the loop run again each
+    time: every one completes, and nothing of slabnet's is left scheduled."""
+    size = 2 << 20
+    received: list[int] = []
+
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        n = 0
+        while chunk := await reader.read(1 << 16):
+            n += len(chunk)
+        received.append(n)
+        writer.close()
+        await writer.wait_closed()
+
+    async def serve() -> Any:
+        return await slabnet.start_server(handler, "127.0.0.1", 0, ssl=tls_server_context)
+
+    server = run(loop, serve())
+
+    async def client() -> None:
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await slabnet.open_connection(
+            "127.0.0.1", port, ssl=tls_client_context, server_hostname="localhost"
+        )
+        writer.write(b"x" * size)
+        await writer.drain()
+        writer.close()  # the server reads to our close_notify, then answers it
+        await writer.wait_closed()
+        assert await reader.read() == b""
+
+    task = loop.create_task(asyncio.wait_for(client(), WAKE))
+    stopping = True
+    stopped = False  # in this run (uvloop's stop() is itself a callback)
+
+    def stopper() -> None:
+        nonlocal stopped
+        if stopping:
+            if not stopped:
+                stopped = True
+                loop.stop()
+            loop.call_soon(stopper)
+
+    loop.call_soon(stopper)
+    runs = 0
+    while not task.done():
+        stopped = False
+        loop.run_forever()  # about one iteration
+        runs += 1
+    stopping = False
+    task.result()
+    assert runs > 5  # (it did stop in the middle of each)
+    assert received == [size]
+    server.close()
+    run(loop, server.wait_closed())
+    assert slabnet_handles(loop) == []
+
+
+RUNNERS = [
+    pytest.param(asyncio.run, id="asyncio.run"),
+    pytest.param(uvloop.run, id="uvloop.run"),
+]
+
+
+def socket_fds() -> int:
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith("socket:")
+        except OSError:
+            pass
+    return n
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+@pytest.mark.parametrize("case", ["plain", "tls", "handshake", "closing", "starttls"])
+def test_run_returns_with_connections_open(
+    runner: Callable[..., Any], case: str,
+    tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    """``asyncio.run()``/``uvloop.run()`` (debug mode) returning while
+    slabnet connections are open -- plain, TLS, a client in its handshake,
+    one whose close_notify waits for an answer, a server with connected
+    clients, a STARTTLS in progress: nothing is reported by slabnet's code
+    (no exception to the handler, no unraisable exception, no pending
+    task destroyed), only ResourceWarnings, and every socket is closed
+    once the objects go."""
+    gc.collect()  # (what earlier tests left for the collector)
+    baseline = socket_fds()
+    reports: list[dict[str, Any]] = []
+    unraisable: list[Any] = []
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    peer: BlockingTLSPeer | None = None
+    if case == "closing":
+        peer = BlockingTLSPeer(tls_server_context)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, ctx: reports.append(ctx))
+        kept: list[Any] = []
+
+        async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+            kept.append(writer)
+            await reader.read()
+
+        tls = case == "tls"
+        server = await slabnet.start_server(
+            handler, "127.0.0.1", 0, ssl=tls_server_context if tls else None
+        )
+        port = server.sockets[0].getsockname()[1]
+        if case in ("plain", "tls"):
+            kw: dict[str, Any] = (
+                {"ssl": tls_client_context, "server_hostname": "localhost"} if tls else {}
+            )
+            reader, writer = await slabnet.open_connection("127.0.0.1", port, **kw)
+            writer.write(b"x" * 100_000)
+            kept.append((reader, writer))
+        elif case == "handshake":
+            kept.append(loop.create_task(slabnet.open_connection(
+                *silent.getsockname(), ssl=tls_client_context, server_hostname="localhost",
+            )))
+            await asyncio.sleep(0.05)  # (connected, in the handshake)
+        elif case == "closing":
+            assert peer is not None
+            reader, writer = await slabnet.open_connection(
+                *peer.listener.getsockname(), ssl=tls_client_context,
+                server_hostname="localhost",
+            )
+            await loop.run_in_executor(None, peer.ready)
+            writer.close()  # our close_notify: the peer never answers
+            kept.append(writer)
+        elif case == "starttls":
+            reader, writer = await slabnet.open_connection(*silent.getsockname())
+            kept.append(loop.create_task(writer.start_tls(
+                tls_client_context, server_hostname="localhost"
+            )))
+            await asyncio.sleep(0.05)
+        kept.append(server)
+
+    old_hook = sys.unraisablehook
+    sys.unraisablehook = unraisable.append
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner(main(), debug=True)
+            gc.collect()
+    finally:
+        sys.unraisablehook = old_hook
+        silent.close()
+        if peer is not None:
+            peer.close()
+    assert [ctx.get("message") for ctx in reports] == []
+    assert unraisable == []
+    assert {w.category for w in caught} <= {ResourceWarning}, [str(w.message) for w in caught]
+    assert socket_fds() <= baseline
+
+
+def test_interrupt_in_the_last_tls_delivery_still_reports_connection_lost(
+    loop: asyncio.AbstractEventLoop,
+    tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    """When the connection goes, the TLS layer delivers what its engine
+    still holds (a paused app's records) before the app's connection_lost.
+    A KeyboardInterrupt from that delivery skipped the rest of
+    connection_lost: the app never heard that the connection went (a
+    stream's reader would wait for good), and the layer stayed READY. Now
+    connection_lost follows, as it follows the plain connection's held
+    bytes."""
+    peer = BlockingTLSPeer(tls_server_context)
+    app = Recorder()
+    app.pause_at = app.interrupt_at = app.interrupt_after = 1
+    try:
+        async def connect() -> None:
+            await loop.create_connection(
+                lambda: slabnet.SlabProtocol(
+                    app, ssl=tls_client_context, server_hostname="localhost"
+                ),
+                *peer.listener.getsockname(),
+            )
+
+        run(loop, connect())
+        sock = run(loop, loop.run_in_executor(None, peer.ready))
+        sock.sendall(bytes(range(256)) * 192)  # all in the client's socket before it reads
+        assert app.lost is not None
+        with pytest.raises(KeyboardInterrupt):
+            run(loop, app.until(1))
+        if not app.lost.done():
+            # asyncio's loop: the first chunk's interrupt. The rest waits in
+            # the engine, paused, until the peer resets the connection.
+            assert app.transport.has_pending_input()
+            hard_close(sock)
+            peer.sock = None
+            with pytest.raises(KeyboardInterrupt):
+                run(loop, asyncio.shield(app.lost))
+            assert isinstance(run(loop, asyncio.shield(app.lost)), ConnectionResetError)
+        else:
+            # uvloop failed the transport with the first chunk's interrupt;
+            # the second came from connection_lost's delivery.
+            assert isinstance(app.lost.result(), KeyboardInterrupt)
+        assert app.chunks == 2
+        assert app.transport.is_closing()
+        assert slabnet_handles(loop) == []
+    finally:
+        peer.close()
