@@ -312,6 +312,11 @@ class TLSTransport(WriteGate):
 
     def _end(self, stage: _Stage) -> None:
         """The rest of connection_lost, once what was decrypted is delivered."""
+        if self._timer is not None:
+            # That delivery may have started a shutdown (the app's close()
+            # from a chunk): nothing is left to time.
+            self._timer.cancel()
+            self._timer = None
         err = self._error
         self._fail_writes(err or ConnectionResetError("connection lost with data unsent"))
         self._stage = _Stage.DONE  # always allowed: the connection is gone

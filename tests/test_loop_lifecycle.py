@@ -22,6 +22,7 @@ import ssl
 import sys
 import threading
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -453,5 +454,72 @@ def test_interrupt_in_the_last_tls_delivery_still_reports_connection_lost(
         assert app.chunks == 2
         assert app.transport.is_closing()
         assert slabnet_handles(loop) == []
+    finally:
+        peer.close()
+
+
+class ClosesOnLastChunk(Recorder):
+    """A Recorder that closes its transport from its ``close_at``-th chunk
+    (an app that ends the conversation on a message)."""
+
+    close_at = 0
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        if self.chunks + 1 == self.close_at:
+            self.transport.close()
+        super().chunk_received(chunk)
+
+
+def test_close_in_the_last_tls_delivery_leaves_no_shutdown_timer(
+    loop: asyncio.AbstractEventLoop,
+    tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    """An app that calls close() from a chunk of the TLS layer's last
+    delivery (connection_lost delivers what the engine still holds) started
+    a shutdown there, and its timer outlived the connection: connection_lost
+    had cancelled the handshake/shutdown timer before that delivery. The
+    timer then held the layer, its engine and the app for the shutdown
+    timeout (30 s by default) after the connection was gone."""
+    peer = BlockingTLSPeer(tls_server_context)
+    app = ClosesOnLastChunk()
+    app.pause_at = app.interrupt_at = 1  # leaves the read's other records held
+    app.close_at = 2
+    try:
+        async def connect() -> None:
+            await loop.create_connection(
+                lambda: slabnet.SlabProtocol(
+                    app, ssl=tls_client_context, server_hostname="localhost"
+                ),
+                *peer.listener.getsockname(),
+            )
+
+        run(loop, connect())
+        sock = run(loop, loop.run_in_executor(None, peer.ready))
+        sock.sendall(bytes(range(256)) * 192)  # all in the client's socket before it reads
+        assert app.lost is not None
+        try:
+            run(loop, app.until(1))
+        except KeyboardInterrupt:
+            # asyncio's loop: the rest waits in the engine, paused, until the
+            # peer resets the connection; its last delivery closes.
+            assert not app.lost.done()
+            hard_close(sock)
+            peer.sock = None
+            run(loop, asyncio.shield(app.lost))
+        # (uvloop caught the interrupt and failed the transport with it:
+        # connection_lost's delivery has closed already.)
+        assert app.lost.done()
+        assert app.chunks == 2
+        # No timer of the layer's is left: it would hold the layer, the
+        # engine and the app for the shutdown timeout.
+        assert app.transport._timer is None
+        if isinstance(loop, asyncio.BaseEventLoop):
+            # So nothing is left to hold the layer. (uvloop keeps the
+            # interrupt it failed the transport with, whose traceback holds
+            # the frames of the calls it came from.)
+            layer = weakref.ref(app.transport)
+            app.transport = app.lost = None  # (the error's traceback)
+            gc.collect()
+            assert layer() is None, [type(r).__name__ for r in gc.get_referrers(layer())]
     finally:
         peer.close()
