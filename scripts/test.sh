@@ -19,7 +19,8 @@ other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py
              tests/test_reader_hardening.py  # tuple separators from 3.13
              tests/test_writer_hardening.py  # Server.close_clients() from 3.13
              tests/test_adaptive_reads.py
-             tests/test_lifetime.py  # reference cycles, per version's gc
+             tests/test_lifetime.py tests/test_leaks.py  # reference cycles, per version's gc
+             tests/test_loop_lifecycle.py  # Server.wait_closed() waits from 3.12
              tests/test_write_audit.py tests/test_streams_audit.py
              tests/test_conn_hardening.py tests/test_server_audit.py
              tests/test_asyncio_parity.py tests/test_tls_parity.py
