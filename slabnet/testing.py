@@ -275,15 +275,17 @@ class _EchoServer:
     connection, so a test that failed before closing its own would otherwise
     hang the teardown."""
 
-    def __init__(self, ssl_context: ssl.SSLContext | None, factory: LoopFactory) -> None:
+    def __init__(self, ssl_context: ssl.SSLContext | None, loop_name: str) -> None:
         self._ssl = ssl_context
-        self._factory = factory
+        self._factory = _factories()[loop_name]
         self._ready = threading.Event()
         self._address: tuple[str, int] | None = None
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stop: asyncio.Event | None = None
-        self._thread = threading.Thread(target=self._run, name="slabnet-echo-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"slabnet-echo-server ({loop_name})", daemon=True
+        )
 
     def start(self) -> tuple[str, int]:
         self._thread.start()
@@ -329,17 +331,20 @@ class _EchoServer:
             self._ready.set()
 
     async def _serve(self) -> None:
-        import slabnet
+        # slabnet.start_server's own parts, to see each connection from its
+        # start: one still in its TLS handshake has no handler yet, and from
+        # Python 3.12 Server.wait_closed() waits for it too.
+        from slabnet._streams import _DEFAULT_LIMIT, _server_factory, _serving
+        from slabnet._transport import SlabProtocol
 
         self._stop = asyncio.Event()
-        open_writers: set[Any] = set()
+        protocols: set[SlabProtocol] = set()
         handlers: set[asyncio.Task[Any]] = set()
 
         async def echo(reader: Any, writer: Any) -> None:
             task = asyncio.current_task()
             if task is not None:
                 handlers.add(task)
-            open_writers.add(writer)
             try:
                 async for chunk in reader.chunks():
                     writer.write(chunk)
@@ -347,10 +352,17 @@ class _EchoServer:
             except (ConnectionError, ssl.SSLError):
                 pass
             finally:
-                open_writers.discard(writer)
                 writer.close()
 
-        server = await slabnet.start_server(echo, "127.0.0.1", 0, ssl=self._ssl)
+        make_protocol = _server_factory(echo, _DEFAULT_LIMIT, self._ssl, None, None, True)
+
+        def factory() -> SlabProtocol:
+            protocol = make_protocol()
+            protocols.add(protocol)
+            return protocol
+
+        loop = asyncio.get_running_loop()
+        server = _serving(await loop.create_server(factory, "127.0.0.1", 0))
         try:
             host, port = server.sockets[0].getsockname()[:2]
             self._address = (host, port)
@@ -358,17 +370,36 @@ class _EchoServer:
             await self._stop.wait()
         finally:
             server.close()
-            for writer in list(open_writers):
-                writer.transport.abort()
-            await server.wait_closed()
+            await self._abort_all(server, protocols)
             if handlers:
                 await asyncio.wait(handlers, timeout=SERVER_THREAD_TIMEOUT)
+
+    @staticmethod
+    async def _abort_all(server: asyncio.Server, protocols: set[Any]) -> None:
+        """Abort every connection until ``server.wait_closed()`` returns: a
+        connection the kernel had accepted when the server closed gets its
+        protocol and transport a few loop iterations later (and before 3.12
+        ``wait_closed()`` does not wait for it, so the sweep goes on a few
+        iterations past it)."""
+        closing = asyncio.ensure_future(server.wait_closed())
+        aborted: set[Any] = set()
+        after = 0
+        while after < 5:
+            for protocol in protocols - aborted:
+                transport = protocol._transport or protocol._raw
+                if transport is not None:
+                    transport.abort()
+                    aborted.add(protocol)
+            await asyncio.wait({closing}, timeout=0.01)
+            if closing.done():
+                after += 1
+        closing.result()
 
 
 def _serve(
     request: pytest.FixtureRequest, ssl_context: ssl.SSLContext | None
 ) -> Iterator[tuple[str, int]]:
-    server = _EchoServer(ssl_context, _factories()[_test_loop_name(request)])
+    server = _EchoServer(ssl_context, _test_loop_name(request))
     address = server.start()
     try:
         yield address

@@ -315,22 +315,13 @@ def test_echo_servers_serve_tests_of_any_loop_scope_sync_and_anyio(
 # Under slabnet_loops the echo server's loop is of the test's kind.
 
 INNER_SERVER_LOOP = '''
-import asyncio
+import threading
 import pytest
-import slabnet
-
-SEEN = []
-_start_server = slabnet.start_server
-
-async def recording_start_server(*args, **kwargs):
-    SEEN.append(type(asyncio.get_running_loop()).__module__.split(".")[0])
-    return await _start_server(*args, **kwargs)
-
-slabnet.start_server = recording_start_server
 
 @pytest.mark.asyncio
 async def test_server_loop(echo_server, loop_name):
-    assert SEEN[-1] == loop_name
+    names = [t.name for t in threading.enumerate() if t.name.startswith("slabnet-echo-server")]
+    assert names == [f"slabnet-echo-server ({loop_name})"]
 '''
 
 
@@ -449,3 +440,41 @@ def test_no_slabnet_turns_the_plugin_off(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("-p", "no:slabnet", "-W", "error", timeout=INNER_TIMEOUT)
     result.assert_outcomes(passed=1, errors=1)
     assert "fixture 'echo_server' not found" in result.stdout.str()
+
+
+# From Python 3.12 Server.wait_closed() waits for every connection, one in
+# its TLS handshake too, which has no handler yet: the echo fixtures abort
+# those as well, or a test that connected and never shook hands held the
+# teardown until the handshake timed out (60 s). Including a connection the
+# server had not made a protocol for yet when the test ended.
+
+INNER_NO_HANDSHAKE = '''
+import socket
+import pytest
+
+KEEP = []
+
+@pytest.mark.parametrize("i", range(20))  # ends while the server accepts it, at times
+def test_connects_and_never_shakes_hands(tls_echo_server, i):
+    KEEP.append(socket.create_connection(tls_echo_server, timeout=2))
+
+def test_sends_half_a_client_hello(tls_echo_server):
+    sock = socket.create_connection(tls_echo_server, timeout=2)
+    sock.sendall(b"\\x16\\x03\\x01\\x00\\x05hel")
+    KEEP.append(sock)
+'''
+
+
+def test_tls_echo_server_teardown_ends_with_a_handshake_never_finished(
+    pytester: pytest.Pytester,
+) -> None:
+    pytester.makeini(
+        "[pytest]\nasyncio_default_fixture_loop_scope = function\n"
+        "filterwarnings = ignore::ResourceWarning\n"
+    )
+    pytester.makepyfile(test_inner=INNER_NO_HANDSHAKE)
+    # Each test has 5 s here, far below the fixture's own 30 s limit.
+    result = pytester.runpytest_subprocess(
+        "-p", "timeout", "--timeout", "5", "-rE", timeout=INNER_TIMEOUT
+    )
+    result.assert_outcomes(passed=21)
