@@ -369,30 +369,42 @@ class _EchoServer:
             self._ready.set()
             await self._stop.wait()
         finally:
-            server.close()
             await self._abort_all(server, protocols)
             if handlers:
                 await asyncio.wait(handlers, timeout=SERVER_THREAD_TIMEOUT)
 
     @staticmethod
     async def _abort_all(server: asyncio.Server, protocols: set[Any]) -> None:
-        """Abort every connection until ``server.wait_closed()`` returns: a
-        connection the kernel had accepted when the server closed gets its
-        protocol and transport a few loop iterations later (and before 3.12
-        ``wait_closed()`` does not wait for it, so the sweep goes on a few
-        iterations past it)."""
-        closing = asyncio.ensure_future(server.wait_closed())
-        aborted: set[Any] = set()
-        after = 0
-        while after < 5:
+        """Abort every connection, then close the server.
+
+        Connections the test made are in the kernel's accept queue or
+        accepted already; each gets its protocol, then its transport, over a
+        few loop iterations. The server stays open until all have theirs and
+        are aborted: asyncio's accept task, when it runs after ``close()``,
+        fails in ``Server._attach`` and leaves the socket unclosed
+        (``ResourceWarning``). From Python 3.12 ``wait_closed()`` waits for
+        every connection, a TLS one still in its handshake too (no handler
+        yet): the sweep goes on until it returns."""
+
+        def sweep() -> bool:
+            """Abort what has a transport; whether all had one."""
             for protocol in protocols - aborted:
                 transport = protocol._transport or protocol._raw
                 if transport is not None:
                     transport.abort()
                     aborted.add(protocol)
+            return aborted == protocols
+
+        aborted: set[Any] = set()
+        quiet = 0
+        while quiet < 3:  # loop iterations with nothing new to abort
+            quiet = quiet + 1 if sweep() else 0
+            await asyncio.sleep(0)
+        server.close()
+        closing = asyncio.ensure_future(server.wait_closed())
+        while not closing.done():
+            sweep()
             await asyncio.wait({closing}, timeout=0.01)
-            if closing.done():
-                after += 1
         closing.result()
 
 

@@ -446,7 +446,10 @@ def test_no_slabnet_turns_the_plugin_off(pytester: pytest.Pytester) -> None:
 # its TLS handshake too, which has no handler yet: the echo fixtures abort
 # those as well, or a test that connected and never shook hands held the
 # teardown until the handshake timed out (60 s). Including a connection the
-# server had not made a protocol for yet when the test ended.
+# server had not made a protocol for yet when the test ended; and the server
+# closes only once each has its transport: asyncio's accept task, run after
+# Server.close(), fails in Server._attach ("Error on transport creation for
+# incoming connection") and leaves the socket unclosed.
 
 INNER_NO_HANDSHAKE = '''
 import socket
@@ -458,6 +461,10 @@ KEEP = []
 def test_connects_and_never_shakes_hands(tls_echo_server, i):
     KEEP.append(socket.create_connection(tls_echo_server, timeout=2))
 
+@pytest.mark.parametrize("i", range(20))
+def test_connects_and_sends_nothing(echo_server, i):
+    KEEP.append(socket.create_connection(echo_server, timeout=2))
+
 def test_sends_half_a_client_hello(tls_echo_server):
     sock = socket.create_connection(tls_echo_server, timeout=2)
     sock.sendall(b"\\x16\\x03\\x01\\x00\\x05hel")
@@ -468,13 +475,14 @@ def test_sends_half_a_client_hello(tls_echo_server):
 def test_tls_echo_server_teardown_ends_with_a_handshake_never_finished(
     pytester: pytest.Pytester,
 ) -> None:
+    # The clients' sockets live in KEEP to the end; a server-side one left
+    # unclosed is a ResourceWarning when it is collected, an error here.
     pytester.makeini(
-        "[pytest]\nasyncio_default_fixture_loop_scope = function\n"
-        "filterwarnings = ignore::ResourceWarning\n"
+        "[pytest]\nasyncio_default_fixture_loop_scope = function\nfilterwarnings = error\n"
     )
     pytester.makepyfile(test_inner=INNER_NO_HANDSHAKE)
     # Each test has 5 s here, far below the fixture's own 30 s limit.
     result = pytester.runpytest_subprocess(
         "-p", "timeout", "--timeout", "5", "-rE", timeout=INNER_TIMEOUT
     )
-    result.assert_outcomes(passed=21)
+    result.assert_outcomes(passed=41)
