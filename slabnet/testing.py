@@ -19,8 +19,9 @@ environment lacks (``uvloop`` not installed), no pytest-asyncio, its plugin
 disabled (``-p no:asyncio``), or a pytest-asyncio older than 1.4. Those have
 no hook, and the only way in was to override their ``event_loop_policy``
 fixture: autouse, so it ran every sync test once per loop too, and pytest 9
-deprecates the session fixture of a plugin object it takes (an error under
-``-W error``). The fixtures below work with any pytest-asyncio.
+deprecates a session fixture defined as a method of a plugin object, as that
+override was (an error under ``-W error``). The fixtures below work with any
+pytest-asyncio.
 
 Fixtures
 --------
@@ -59,7 +60,9 @@ libuv forever for a handle nobody closes: the run hangs in the teardown of the
 test that leaked the transport. The plugin's uvloop factory therefore records
 the warnings of ``close()`` and issues them again once the loop is closed,
 where the project's filters apply as usual: the leak fails that test instead
-of hanging the run.
+of hanging the run. That includes a test that failed with a connection to an
+echo fixture open: the fixture aborts its own end, on its own loop, but the
+test's end is on the test's loop, which closes first.
 """
 
 from __future__ import annotations
