@@ -22,6 +22,7 @@ thread's stack to stderr and exits the process.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import faulthandler
 import fcntl
 import gc
@@ -480,3 +481,18 @@ async def connect_slab(
     assert app.transport is not None
     return app.transport, app, peer
 
+
+@contextlib.asynccontextmanager
+async def connect_raw_tls(
+    address: tuple[str, int], ctx: ssl.SSLContext
+) -> AsyncIterator[RawTLS]:
+    """A ``RawTLS`` client (for "localhost") on a socket connected to
+    ``address``, its handshake not begun; the socket is closed on exit."""
+    loop = asyncio.get_running_loop()
+    sock = socket.socket()
+    try:
+        sock.setblocking(False)
+        await loop.sock_connect(sock, address)
+        yield RawTLS(sock, ctx, server_side=False, server_hostname="localhost")
+    finally:
+        sock.close()

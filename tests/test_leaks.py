@@ -23,6 +23,7 @@ Every test runs on the asyncio loop and on uvloop, on loopback sockets.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import socket
@@ -34,7 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 
 import slabnet
-from conftest import RawTLS, connect_slab, hard_close
+from conftest import connect_raw_tls, connect_slab, hard_close
 
 WAKE = 5.0  # seconds any wait may take before the test fails
 ROUNDS = 3  # cycles of a path with the collector off
@@ -92,6 +93,26 @@ def _shut_down_sending(transport: asyncio.BaseTransport) -> None:
         sock.shutdown(socket.SHUT_WR)
 
 
+@contextlib.asynccontextmanager
+async def _serving(
+    handler: Callable[[slabnet.StreamReader, slabnet.StreamWriter], Awaitable[None]],
+    ctx: ssl.SSLContext,
+) -> AsyncIterator[asyncio.Server]:
+    """A slabnet TLS server on loopback running ``handler``; closed on exit."""
+    server = await slabnet.start_server(handler, "127.0.0.1", 0, ssl=ctx)
+    try:
+        yield server
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def _no_handshake_may_pass(
+    reader: slabnet.StreamReader, writer: slabnet.StreamWriter
+) -> None:
+    raise AssertionError("the handshake passed")
+
+
 @pytest.mark.parametrize("size", [100_000, 100], ids=["direct", "gathered"])
 @pytest.mark.asyncio
 async def test_a_failed_send_leaves_no_cycle(listener: socket.socket, size: int) -> None:
@@ -125,36 +146,23 @@ async def test_a_failed_handshake_leaves_no_cycle_on_the_server(
     # Its traceback held both's frames: on main every such handshake -- a
     # public server sees them from scanners and misconfigured clients all
     # the time -- left its SSLObject for the collector.
-    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
-        raise AssertionError("the handshake passed")
+    async with _serving(_no_handshake_may_pass, tls_server_context) as server:
+        loop = asyncio.get_running_loop()
 
-    server = await slabnet.start_server(handler, "127.0.0.1", 0, ssl=tls_server_context)
-    loop = asyncio.get_running_loop()
+        async def path() -> None:
+            distrust = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # (no CA: verification fails)
+            async with connect_raw_tls(server.sockets[0].getsockname(), distrust) as peer:
+                try:
+                    await peer.handshake()
+                except ssl.SSLCertVerificationError:
+                    await peer.flush()  # the alert
+                else:
+                    raise AssertionError("the client trusted the certificate")
+                # (Until the server ends the connection.)
+                while await loop.sock_recv(peer.sock, 65536):
+                    pass
 
-    async def path() -> None:
-        distrust = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # (no CA: verification fails)
-        sock = socket.socket()
-        try:
-            sock.setblocking(False)
-            await loop.sock_connect(sock, server.sockets[0].getsockname())
-            peer = RawTLS(sock, distrust, server_side=False, server_hostname="localhost")
-            try:
-                await peer.handshake()
-            except ssl.SSLCertVerificationError:
-                await peer.flush()  # the alert
-            else:
-                raise AssertionError("the client trusted the certificate")
-            # (Until the server ends the connection.)
-            while await loop.sock_recv(sock, 65536):
-                pass
-        finally:
-            sock.close()
-
-    try:
         left = await _left_by(path)
-    finally:
-        server.close()
-        await server.wait_closed()
     assert not left, f"a failed handshake left a cycle: {dict(left)}"
 
 
@@ -174,33 +182,26 @@ async def test_a_broken_record_leaves_no_cycle(
         held.append(writer)  # (reads nothing: the error is raised in no frame of ours)
         served.set()
 
-    server = await slabnet.start_server(handler, "127.0.0.1", 0, ssl=tls_server_context)
-    loop = asyncio.get_running_loop()
+    async with _serving(handler, tls_server_context) as server:
+        loop = asyncio.get_running_loop()
 
-    async def path() -> None:
-        sock = socket.socket()
-        try:
-            sock.setblocking(False)
-            await loop.sock_connect(sock, server.sockets[0].getsockname())
-            peer = RawTLS(sock, tls_client_context, server_side=False, server_hostname="localhost")
-            await peer.handshake()
-            await served.wait()
-            await peer.send(b"\x17\x03\x03\x00\x20" + bytes(32))
+        async def path() -> None:
             try:
-                while await loop.sock_recv(sock, 65536):
-                    pass
-            except ConnectionResetError:
-                pass
-        finally:
-            sock.close()
-            held.clear()
-            served.clear()
+                address = server.sockets[0].getsockname()
+                async with connect_raw_tls(address, tls_client_context) as peer:
+                    await peer.handshake()
+                    await served.wait()
+                    await peer.send(b"\x17\x03\x03\x00\x20" + bytes(32))
+                    try:
+                        while await loop.sock_recv(peer.sock, 65536):
+                            pass
+                    except ConnectionResetError:
+                        pass
+            finally:
+                held.clear()
+                served.clear()
 
-    try:
         left = await _left_by(path)
-    finally:
-        server.close()
-        await server.wait_closed()
     assert not left, f"a broken record left a cycle: {dict(left)}"
 
 
@@ -214,43 +215,36 @@ async def test_a_failed_open_connection_leaves_no_cycle(
     # holds, from a frame that held the waiter (and the connection's
     # protocol, which holds it too): on main a cycle for every failed
     # connect, with the connection's SSLObject in it.
-    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
-        raise AssertionError("the handshake passed")
+    async with _serving(_no_handshake_may_pass, tls_server_context) as server:
+        loop = asyncio.get_running_loop()
 
-    server = await slabnet.start_server(handler, "127.0.0.1", 0, ssl=tls_server_context)
-    loop = asyncio.get_running_loop()
-
-    async def path() -> None:
-        if failure == "certificate":
-            distrust = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # (no CA: verification fails)
+        async def path() -> None:
+            if failure == "certificate":
+                distrust = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # (no CA: verification fails)
+                try:
+                    await slabnet.open_connection(
+                        *server.sockets[0].getsockname()[:2], ssl=distrust,
+                        server_hostname="localhost",
+                    )
+                except ssl.SSLCertVerificationError:
+                    return
+                raise AssertionError("the client trusted the certificate")
+            # A peer that accepts and never answers.
+            opening = asyncio.ensure_future(slabnet.open_connection(
+                *listener.getsockname(), ssl=tls_client_context, server_hostname="localhost",
+                ssl_handshake_timeout=0.05,
+            ))
+            peer, _ = await loop.sock_accept(listener)
             try:
-                await slabnet.open_connection(
-                    *server.sockets[0].getsockname()[:2], ssl=distrust,
-                    server_hostname="localhost",
-                )
-            except ssl.SSLCertVerificationError:
+                await opening
+            except slabnet.HandshakeTimeoutError:
                 return
-            raise AssertionError("the client trusted the certificate")
-        # A peer that accepts and never answers.
-        opening = asyncio.ensure_future(slabnet.open_connection(
-            *listener.getsockname(), ssl=tls_client_context, server_hostname="localhost",
-            ssl_handshake_timeout=0.05,
-        ))
-        peer, _ = await loop.sock_accept(listener)
-        try:
-            await opening
-        except slabnet.HandshakeTimeoutError:
-            return
-        finally:
-            peer.close()
-            del opening  # (the task holds the error too)
-        raise AssertionError("the handshake passed")
+            finally:
+                peer.close()
+                del opening  # (the task holds the error too)
+            raise AssertionError("the handshake passed")
 
-    try:
         left = await _left_by(path)
-    finally:
-        server.close()
-        await server.wait_closed()
     assert not left, f"a failed open_connection left a cycle: {dict(left)}"
 
 

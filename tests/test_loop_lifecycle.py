@@ -192,6 +192,22 @@ class BlockingTLSPeer:
         assert self.sock is not None
         return self.sock
 
+    def connect(
+        self, loop: asyncio.AbstractEventLoop, app: Recorder, ctx: ssl.SSLContext
+    ) -> ssl.SSLSocket:
+        """Connect ``app`` to this peer with TLS (``ctx``, the client's);
+        return the peer's socket once its handshake is done. (The loop runs
+        meanwhile: it sends the client's last flight.)"""
+        async def connect() -> None:
+            await loop.create_connection(
+                lambda: slabnet.SlabProtocol(app, ssl=ctx, server_hostname="localhost"),
+                *self.listener.getsockname(),
+            )
+
+        run(loop, connect())
+        sock: ssl.SSLSocket = run(loop, loop.run_in_executor(None, self.ready))
+        return sock
+
     def close(self) -> None:
         if self.sock is not None:
             self.sock.close()
@@ -211,17 +227,7 @@ def test_interrupt_in_tls_chunk_received_delivers_the_rest_later(
     app = Recorder()
     app.interrupt_at = 1
     try:
-        async def connect() -> None:
-            await loop.create_connection(
-                lambda: slabnet.SlabProtocol(
-                    app, ssl=tls_client_context, server_hostname="localhost"
-                ),
-                *peer.listener.getsockname(),
-            )
-
-        run(loop, connect())
-        # (The loop runs meanwhile: it sends the client's last flight.)
-        sock = run(loop, loop.run_in_executor(None, peer.ready))
+        sock = peer.connect(loop, app, tls_client_context)
         # Three 16 KiB chunks, all in the client's socket before it reads.
         payload = bytes(range(256)) * 192
         sock.sendall(payload)
@@ -424,16 +430,7 @@ def test_interrupt_in_the_last_tls_delivery_still_reports_connection_lost(
     app = Recorder()
     app.pause_at = app.interrupt_at = app.interrupt_after = 1
     try:
-        async def connect() -> None:
-            await loop.create_connection(
-                lambda: slabnet.SlabProtocol(
-                    app, ssl=tls_client_context, server_hostname="localhost"
-                ),
-                *peer.listener.getsockname(),
-            )
-
-        run(loop, connect())
-        sock = run(loop, loop.run_in_executor(None, peer.ready))
+        sock = peer.connect(loop, app, tls_client_context)
         sock.sendall(bytes(range(256)) * 192)  # all in the client's socket before it reads
         assert app.lost is not None
         with pytest.raises(KeyboardInterrupt):
@@ -485,16 +482,7 @@ def test_close_in_the_last_tls_delivery_leaves_no_shutdown_timer(
     app.pause_at = app.interrupt_at = 1  # leaves the read's other records held
     app.close_at = 2
     try:
-        async def connect() -> None:
-            await loop.create_connection(
-                lambda: slabnet.SlabProtocol(
-                    app, ssl=tls_client_context, server_hostname="localhost"
-                ),
-                *peer.listener.getsockname(),
-            )
-
-        run(loop, connect())
-        sock = run(loop, loop.run_in_executor(None, peer.ready))
+        sock = peer.connect(loop, app, tls_client_context)
         sock.sendall(bytes(range(256)) * 192)  # all in the client's socket before it reads
         assert app.lost is not None
         try:

@@ -12,18 +12,21 @@ calls and chunks, never in seconds.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import socket
 import ssl
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 
 import slabnet
-from conftest import ForgedTLS12, RawTLS, block_until_records, client_ctx, records, server_ctx
+from conftest import (
+    ForgedTLS12, RawTLS, block_until_records, client_ctx, connect_raw_tls, records, server_ctx,
+)
 from slabnet._errors import TLSRecordError
 from slabnet._slab import LEND_SIZE
 from slabnet._tls import LEND_PIECE, MAX_FRAGMENT, TLSEngine, TLSState
@@ -174,6 +177,35 @@ def assert_final(engine: TLSEngine, exc: BaseException | None) -> None:
         engine.read_chunk()
 
 
+@contextlib.asynccontextmanager
+async def served_raw_client(
+    listener: socket.socket, tls_ca: Any, server_cert: Any, version: ssl.TLSVersion,
+    **server_kw: Any,
+) -> AsyncIterator[tuple[RawTLS, slabnet.StreamReader, slabnet.StreamWriter]]:
+    """A slabnet TLS server on ``listener`` (``start_server`` keywords
+    ``server_kw``) and a ``RawTLS`` client of it, both handshakes done: the
+    client and the server's reader and writer. The client's socket and the
+    server are closed on exit."""
+    loop = asyncio.get_running_loop()
+    served: asyncio.Future[tuple[slabnet.StreamReader, slabnet.StreamWriter]] = loop.create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        served.set_result((reader, writer))
+
+    server = await slabnet.start_server(
+        handle, sock=listener, ssl=server_ctx(server_cert, version), **server_kw
+    )
+    try:
+        async with connect_raw_tls(listener.getsockname(), client_ctx(tls_ca, version)) as peer:
+            async with asyncio.timeout(WAKE):
+                await peer.handshake()
+                reader, writer = await served
+            yield peer, reader, writer
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 # ---------------------------------------------------------------- floods of tiny records
 
 
@@ -227,20 +259,7 @@ async def test_stream_tiny_records_arrive_in_few_chunks(
     # The same through the stream: 4000 one-byte records waiting together
     # in the socket are one read, one chunk (three on main, as asyncio's
     # streams get them: one data_received per read).
-    loop = asyncio.get_running_loop()
-    served: asyncio.Future[tuple[slabnet.StreamReader, slabnet.StreamWriter]] = loop.create_future()
-
-    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
-        served.set_result((reader, writer))
-
-    server = await slabnet.start_server(handle, sock=listener, ssl=server_ctx(server_cert, version))
-    sock = socket.socket()
-    try:
-        await loop.sock_connect(sock, listener.getsockname())
-        peer = RawTLS(sock, client_ctx(tls_ca, version), server_side=False, server_hostname="localhost")
-        async with asyncio.timeout(WAKE):
-            await peer.handshake()
-            reader, writer = await served
+    async with served_raw_client(listener, tls_ca, server_cert, version) as (peer, reader, writer):
         n = 4000
         wire = peer.seal(*[bytes([65 + i % 26]) for i in range(n)])
         await peer.send(wire)
@@ -253,10 +272,6 @@ async def test_stream_tiny_records_arrive_in_few_chunks(
             await peer.send(peer.close_notify())
             assert await reader.read() == b""
         writer.close()
-    finally:
-        sock.close()
-        server.close()
-        await server.wait_closed()
 
 
 # ---------------------------------------------------------------- forged records, engine level
@@ -484,22 +499,9 @@ async def test_headers_split_at_every_offset_while_the_reader_pauses(
     # 64-byte limit pauses and resumes the reading all along; then a valid
     # record and bytes that are not TLS: every byte in front arrives, then
     # TLSRecordError, and nothing after it.
-    loop = asyncio.get_running_loop()
-    served: asyncio.Future[tuple[slabnet.StreamReader, slabnet.StreamWriter]] = loop.create_future()
-
-    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
-        served.set_result((reader, writer))
-
-    server = await slabnet.start_server(
-        handle, sock=listener, ssl=server_ctx(server_cert, version), limit=64
-    )
-    sock = socket.socket()
-    try:
-        await loop.sock_connect(sock, listener.getsockname())
-        peer = RawTLS(sock, client_ctx(tls_ca, version), server_side=False, server_hostname="localhost")
-        async with asyncio.timeout(WAKE):
-            await peer.handshake()
-            reader, writer = await served
+    async with served_raw_client(
+        listener, tls_ca, server_cert, version, limit=64
+    ) as (peer, reader, writer):
         fd = writer.get_extra_info("socket").fileno()
         got = bytearray()
 
@@ -526,10 +528,6 @@ async def test_headers_split_at_every_offset_while_the_reader_pauses(
                 await consumer
         assert bytes(got) == bytes(sent)
         writer.close()
-    finally:
-        sock.close()
-        server.close()
-        await server.wait_closed()
 
 
 @VERSIONS

@@ -16,6 +16,7 @@ import hashlib
 import random
 import socket
 import ssl
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -141,10 +142,11 @@ class Nested:
 
 async def open_nested(
     listener: socket.socket, server_cert: Any, tls_ca: Any, *,
-    inner: bool = True, limit: int = 2**16,
+    inner: bool = True, limit: int = 2**16, ssl_shutdown_timeout: float | None = None,
 ) -> tuple[slabnet.StreamReader, slabnet.StreamWriter, Nested]:
     """A slabnet client with TLS to a ``Nested`` peer (accepted on
-    ``listener``), and, if ``inner``, the second session inside it."""
+    ``listener``), and, if ``inner``, the second session inside it (with
+    that ``ssl_shutdown_timeout``)."""
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(WAKE):
         opening = asyncio.ensure_future(slabnet.open_connection(
@@ -156,12 +158,32 @@ async def open_nested(
         await peer.outer.handshake()
         reader, writer = await opening
         if inner:
-            upgrading = asyncio.ensure_future(
-                writer.start_tls(client_ctx(tls_ca), server_hostname="localhost")
-            )
+            upgrading = asyncio.ensure_future(writer.start_tls(
+                client_ctx(tls_ca), server_hostname="localhost",
+                ssl_shutdown_timeout=ssl_shutdown_timeout,
+            ))
             await peer.handshake()
             await upgrading
     return reader, writer, peer
+
+
+OpenNested = Callable[..., Awaitable[tuple[slabnet.StreamReader, slabnet.StreamWriter, Nested]]]
+
+
+@pytest.fixture
+def nested(listener: socket.socket, server_cert: Any, tls_ca: Any) -> Iterator[OpenNested]:
+    """``await nested(**kw)`` is ``open_nested(listener, server_cert, tls_ca,
+    **kw)``; the peers' sockets are closed after the test, however it ends."""
+    peers: list[Nested] = []
+
+    async def open_(**kw: Any) -> tuple[slabnet.StreamReader, slabnet.StreamWriter, Nested]:
+        reader, writer, peer = await open_nested(listener, server_cert, tls_ca, **kw)
+        peers.append(peer)
+        return reader, writer, peer
+
+    yield open_
+    for peer in peers:
+        peer.outer.sock.close()
 
 
 def layers(writer: slabnet.StreamWriter) -> tuple[Any, Any, Any]:
@@ -249,13 +271,13 @@ async def test_large_transfer_both_ways_through_nested_sessions(
 
 @pytest.mark.asyncio
 async def test_inner_drain_blocks_while_the_outer_connection_is_full(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
+    nested: OpenNested
 ) -> None:
     # The peer reads nothing: the plain connection's queue fills, the outer
     # layer pauses the inner one, and the inner writer's drain() waits; the
     # queued bytes are the inner transport's write buffer. Then the peer
     # reads everything, in order.
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+    reader, writer, peer = await nested()
     inner, outer, plain = layers(writer)
     try:
         writer.transport.set_write_buffer_limits(high=1 << 16)
@@ -284,17 +306,14 @@ async def test_inner_drain_blocks_while_the_outer_connection_is_full(
         assert got == payload
     finally:
         writer.transport.abort()
-        peer.outer.sock.close()
 
 
 @pytest.mark.asyncio
-async def test_a_paused_inner_reader_pauses_the_outer_connection(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
-) -> None:
+async def test_a_paused_inner_reader_pauses_the_outer_connection(nested: OpenNested) -> None:
     # The app reads nothing: the stream pauses the inner transport, which
     # pauses the outer one and the socket; the peer's 8 MiB wait in the
     # kernel. Then the app reads it all, without loss.
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+    reader, writer, peer = await nested()
     inner, outer, plain = layers(writer)
     payload = random.Random(4).randbytes(8 << 20)
     try:
@@ -310,7 +329,6 @@ async def test_a_paused_inner_reader_pauses_the_outer_connection(
         assert bytes(got) == payload
     finally:
         writer.transport.abort()
-        peer.outer.sock.close()
 
 
 # ---------------------------------------------------------------- the inner handshake
@@ -318,13 +336,13 @@ async def test_a_paused_inner_reader_pauses_the_outer_connection(
 
 @pytest.mark.asyncio
 async def test_cancelled_inner_handshake_ends_both_layers(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
+    nested: OpenNested, tls_ca: Any
 ) -> None:
     # The destination never answers the ClientHello; the caller's timeout
     # cancels start_tls(). The connection ends (asyncio's default loop
     # closes the outer session with close_notify, uvloop and slabnet end the
     # socket), wait_closed() returns, and no task is left.
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca, inner=False)
+    reader, writer, peer = await nested(inner=False)
     with pytest.raises(TimeoutError):
         await asyncio.wait_for(
             writer.start_tls(client_ctx(tls_ca), server_hostname="localhost"), 0.2
@@ -335,18 +353,17 @@ async def test_cancelled_inner_handshake_ends_both_layers(
     assert plaintext.startswith(b"\x16\x03")  # the inner ClientHello, then nothing
     await wait_closed(writer)
     assert asyncio.all_tasks() == {asyncio.current_task()}
-    peer.outer.sock.close()
 
 
 @pytest.mark.parametrize("fault", ["unknown_ca", "wrong_hostname"])
 @pytest.mark.asyncio
 async def test_inner_certificate_failure_raises_and_ends_the_outer_session(
-    listener: socket.socket, server_cert: Any, tls_ca: Any, fault: str
+    nested: OpenNested, tls_ca: Any, fault: str
 ) -> None:
     # ssl.SSLCertVerificationError, as on uvloop (asyncio's default loop
     # raises TypeError from its own _force_close for TLS inside TLS), and
     # the proxy's connection ends too.
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca, inner=False)
+    reader, writer, peer = await nested(inner=False)
     ctx = ssl.create_default_context() if fault == "unknown_ca" else client_ctx(tls_ca)
     hostname = "localhost" if fault == "unknown_ca" else "example.org"
     upgrading = asyncio.ensure_future(writer.start_tls(ctx, server_hostname=hostname))
@@ -358,17 +375,16 @@ async def test_inner_certificate_failure_raises_and_ends_the_outer_session(
     assert (await peer.outer_end())[0] == "eof"
     with pytest.raises(ssl.SSLCertVerificationError):  # the connection's error
         await wait_closed(writer)
-    peer.outer.sock.close()
 
 
 @pytest.mark.parametrize("fault", ["reset", "fin", "outer_close_notify"])
 @pytest.mark.asyncio
 async def test_outer_connection_ending_during_the_inner_handshake(
-    listener: socket.socket, server_cert: Any, tls_ca: Any, fault: str
+    nested: OpenNested, tls_ca: Any, fault: str
 ) -> None:
     # ConnectionResetError (uvloop's too; asyncio's default loop raises
     # TypeError from _force_close), never a hang.
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca, inner=False)
+    reader, writer, peer = await nested(inner=False)
     upgrading = asyncio.ensure_future(
         writer.start_tls(client_ctx(tls_ca), server_hostname="localhost")
     )
@@ -384,18 +400,17 @@ async def test_outer_connection_ending_during_the_inner_handshake(
     assert writer.transport.is_closing()
     with pytest.raises(ConnectionResetError):
         await wait_closed(writer)
-    peer.outer.sock.close()
 
 
 @pytest.mark.asyncio
 async def test_cancelled_read_drain_and_wait_closed_leave_the_connection_usable(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
+    nested: OpenNested
 ) -> None:
     # As with asyncio's streams, a cancelled read() or drain() changes
     # nothing: the next one gets the bytes. A cancelled wait_closed() leaves
     # the close going; a later one returns (asyncio's raises CancelledError
     # then: the close waiter it shares was cancelled with the first).
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+    reader, writer, peer = await nested()
     reading = asyncio.ensure_future(reader.read(10))
     await asyncio.sleep(0)
     reading.cancel()
@@ -440,10 +455,8 @@ async def test_cancelled_read_drain_and_wait_closed_leave_the_connection_usable(
 
 
 @pytest.mark.asyncio
-async def test_outer_reset_during_inner_data(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
-) -> None:
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+async def test_outer_reset_during_inner_data(nested: OpenNested) -> None:
+    reader, writer, peer = await nested()
     await peer.send(b"x" * 1000)
     assert await reader.readexactly(1000) == b"x" * 1000
     hard_close(peer.outer.sock)
@@ -456,12 +469,12 @@ async def test_outer_reset_during_inner_data(
 @pytest.mark.parametrize("end", ["fin", "outer_close_notify", "outer_close_notify_fin"])
 @pytest.mark.asyncio
 async def test_outer_end_without_inner_close_notify_is_eof_after_the_data(
-    listener: socket.socket, server_cert: Any, tls_ca: Any, end: str
+    nested: OpenNested, end: str
 ) -> None:
     # The inner session is cut without its close_notify (ragged, accepted
     # as on both loops): every byte first, then EOF; the client answers an
     # outer close_notify with its own.
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+    reader, writer, peer = await nested()
     peer.inner.write(b"y" * 5000)
     wire = peer.outer.seal(peer.outgoing.read())
     if end != "fin":
@@ -476,18 +489,17 @@ async def test_outer_end_without_inner_close_notify_is_eof_after_the_data(
     assert plaintext == b""  # no inner close_notify: that session was cut
     assert how == ("eof" if end == "fin" else "close_notify")
     await wait_closed(writer)
-    peer.outer.sock.close()
 
 
 @pytest.mark.parametrize("after", ["outer_data", "outer_close_notify"])
 @pytest.mark.asyncio
 async def test_inner_close_notify_then_more_outer_bytes(
-    listener: socket.socket, server_cert: Any, tls_ca: Any, after: str
+    nested: OpenNested, after: str
 ) -> None:
     # The destination's close_notify, then the proxy sends more: outer
     # plaintext that is not TLS, or its own close_notify, in the same read.
     # Data, EOF; the client answers close_notify at both layers, in order.
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+    reader, writer, peer = await nested()
     peer.inner.write(b"z" * 3000)
     wire = peer.inner_close_notify()
     if after == "outer_data":
@@ -503,17 +515,14 @@ async def test_inner_close_notify_then_more_outer_bytes(
     if after == "outer_data":
         await peer.outer.send(peer.outer.close_notify())
     await wait_closed(writer)
-    peer.outer.sock.close()
 
 
 @pytest.mark.asyncio
-async def test_inner_fatal_alert_after_data(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
-) -> None:
+async def test_inner_fatal_alert_after_data(nested: OpenNested) -> None:
     # The destination's data, then its fatal alert: the data is read first
     # (uvloop's reader raises at once), then the alert's ssl.SSLError, and
     # the proxy's connection ends.
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+    reader, writer, peer = await nested()
     peer.inner.write(b"d" * 1000)
     peer.incoming.write(b"\x17\x03\x03\x00\x20" + bytes(32))
     with pytest.raises(ssl.SSLError):
@@ -527,16 +536,15 @@ async def test_inner_fatal_alert_after_data(
     assert (await peer.outer_end())[0] == "eof"
     with pytest.raises(ssl.SSLError):
         await wait_closed(writer)
-    peer.outer.sock.close()
 
 
 @pytest.mark.asyncio
 async def test_outer_plaintext_that_is_not_tls_fails_the_inner_session(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
+    nested: OpenNested
 ) -> None:
     # A proxy that answers in plaintext inside the tunnel (an HTTP error):
     # the inner session's data first, then TLSRecordError (an ssl.SSLError).
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+    reader, writer, peer = await nested()
     await peer.send(b"e" * 1000)
     await peer.outer.send(peer.outer.seal(b"HTTP/1.1 502 Bad Gateway\r\n\r\n"))
     async with asyncio.timeout(WAKE):
@@ -552,9 +560,9 @@ async def test_outer_plaintext_that_is_not_tls_fails_the_inner_session(
 
 @pytest.mark.asyncio
 async def test_close_sends_queued_data_then_inner_then_outer_close_notify(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
+    nested: OpenNested
 ) -> None:
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+    reader, writer, peer = await nested()
     payload = random.Random(5).randbytes(4 << 20)
     writer.transport.set_write_buffer_limits(high=1 << 14)
     writer.write(payload)
@@ -568,60 +576,43 @@ async def test_close_sends_queued_data_then_inner_then_outer_close_notify(
     assert await peer.outer_end() == ("close_notify", b"")
     await peer.outer.send(peer.outer.close_notify())
     await wait_closed(writer)
-    peer.outer.sock.close()
 
 
 @pytest.mark.asyncio
-async def test_outer_close_notify_while_the_inner_session_closes(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
-) -> None:
+async def test_outer_close_notify_while_the_inner_session_closes(nested: OpenNested) -> None:
     # The client closes; the proxy answers with its own close_notify only
     # (the destination is gone): the client's shutdown ends with it.
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+    reader, writer, peer = await nested()
     writer.close()
     assert await peer.inner_end() == "close_notify"
     await peer.outer.send(peer.outer.close_notify())
     assert (await peer.outer_end())[0] == "close_notify"
     await wait_closed(writer)
-    peer.outer.sock.close()
 
 
 @pytest.mark.asyncio
-async def test_inner_shutdown_timeout_ends_both_layers(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
-) -> None:
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca, inner=False)
-    upgrading = asyncio.ensure_future(writer.start_tls(
-        client_ctx(tls_ca), server_hostname="localhost", ssl_shutdown_timeout=0.2
-    ))
-    await peer.handshake()
-    await upgrading
+async def test_inner_shutdown_timeout_ends_both_layers(nested: OpenNested) -> None:
+    reader, writer, peer = await nested(ssl_shutdown_timeout=0.2)
     writer.close()
     assert await peer.inner_end() == "close_notify"  # never answered
     with pytest.raises(slabnet.ShutdownTimeoutError):
         await wait_closed(writer)
     assert (await peer.outer_end())[0] == "eof"
-    peer.outer.sock.close()
 
 
 @pytest.mark.asyncio
-async def test_abort_of_the_inner_transport_aborts_the_connection(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
-) -> None:
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+async def test_abort_of_the_inner_transport_aborts_the_connection(nested: OpenNested) -> None:
+    reader, writer, peer = await nested()
     inner, outer, plain = layers(writer)
     writer.transport.abort()
     assert inner.is_closing() and outer.is_closing() and plain.is_closing()
     assert (await peer.outer_end())[0] == "reset"
     await wait_closed(writer)  # (no error, as asyncio's after abort())
-    peer.outer.sock.close()
 
 
 @pytest.mark.asyncio
-async def test_extra_info_of_the_inner_session_and_of_the_socket(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
-) -> None:
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+async def test_extra_info_of_the_inner_session_and_of_the_socket(nested: OpenNested) -> None:
+    reader, writer, peer = await nested()
     inner, outer, plain = layers(writer)
     try:
         ssl_object = writer.get_extra_info("ssl_object")
@@ -635,7 +626,6 @@ async def test_extra_info_of_the_inner_session_and_of_the_socket(
         assert not writer.is_closing()
     finally:
         writer.transport.abort()
-        peer.outer.sock.close()
 
 
 # ---------------------------------------------------------------- more layers, other side
@@ -643,9 +633,9 @@ async def test_extra_info_of_the_inner_session_and_of_the_socket(
 
 @pytest.mark.asyncio
 async def test_a_third_session_inside_the_second(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
+    nested: OpenNested, server_cert: Any, tls_ca: Any
 ) -> None:
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca)
+    reader, writer, peer = await nested()
     incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
     third = server_ctx(server_cert).wrap_bio(incoming, outgoing, server_side=True)
 
@@ -692,7 +682,6 @@ async def test_a_third_session_inside_the_second(
             assert await reader.readexactly(4) == b"back"
     finally:
         writer.transport.abort()
-        peer.outer.sock.close()
 
 
 @pytest.mark.asyncio
@@ -745,7 +734,7 @@ async def test_server_inner_handshake_sent_behind_the_connect_line(
 
 @pytest.mark.asyncio
 async def test_inner_close_notify_is_answered_when_the_outer_one_follows_while_paused(
-    listener: socket.socket, server_cert: Any, tls_ca: Any
+    nested: OpenNested
 ) -> None:
     # The destination's data and close_notify, then the proxy's close_notify,
     # all in one read of a client whose reader pauses on the first chunk.
@@ -755,7 +744,7 @@ async def test_inner_close_notify_is_answered_when_the_outer_one_follows_while_p
     # close_notify, which came first, took it for the peer's FIN and closed
     # without answering it. asyncio's streams answer it (inner close_notify,
     # then outer), as slabnet does when the reader is not paused.
-    reader, writer, peer = await open_nested(listener, server_cert, tls_ca, limit=1024)
+    reader, writer, peer = await nested(limit=1024)
     payload = random.Random(6).randbytes(40_000)
     peer.inner.write(payload)
     wire = peer.outer.seal(peer.outgoing.read()) + peer.inner_close_notify()
@@ -776,4 +765,3 @@ async def test_inner_close_notify_is_answered_when_the_outer_one_follows_while_p
     peer.incoming.write(plaintext)
     peer.inner.unwrap()  # the inner shutdown completes: no SSLWantReadError
     await wait_closed(writer)
-    peer.outer.sock.close()
