@@ -158,6 +158,9 @@ class TLSTransport(WriteGate):
         self._app: Any
         self._deliver: Any
         self.set_protocol(app)
+        # An empty name is no name (no SNI, nothing to check), as asyncio's
+        # and uvloop's SSL protocols read it; SSLContext.wrap_bio refuses "".
+        server_hostname = server_hostname or None
         self._engine_args = (sslcontext, server_side, server_hostname, ssl_ragged_eof, ssl_session)
         self._handshake_timeout = check_ssl_timeout(
             "ssl_handshake_timeout", ssl_handshake_timeout, SSL_HANDSHAKE_TIMEOUT

@@ -1,0 +1,67 @@
+"""Parity found by running CPython 3.11/3.13's test_asyncio/test_ssl.py and
+test_sslproto.py and uvloop 0.23's tests/test_tcp.py and test_unix.py with
+slabnet's streams swapped in, and stream versions of their protocol tests
+(outside this repository). Each test here is written afresh for slabnet's
+API.
+
+Real loopback sockets, real TLS (trustme), on both loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from typing import Any
+
+import pytest
+
+import slabnet
+from conftest import client_ctx, server_ctx
+
+pytestmark = pytest.mark.timeout(30)
+
+WAKE = 10.0  # seconds any waiter may take to wake after the event it waits for
+
+
+# ------------------------------------------------- STARTTLS with an empty server_hostname
+
+
+@pytest.mark.asyncio
+async def test_start_tls_takes_an_empty_server_hostname(server_cert: Any, tls_ca: Any) -> None:
+    """``server_hostname=""`` means no name: no SNI and nothing to check, as
+    with ``open_connection(ssl=..., server_hostname="")``. asyncio's and
+    uvloop's SSL protocols read an empty name as none, so their
+    ``writer.start_tls(ctx, server_hostname="")`` works (CPython's
+    test_ssl.py passes ``''`` throughout); slabnet handed ``""`` to
+    ``SSLContext.wrap_bio``, which refuses it with ValueError, and the
+    upgrade failed."""
+    names: list[str | None] = []
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        assert await reader.readexactly(9) == b"STARTTLS\n"
+        writer.write(b"GO\n")
+        await writer.start_tls(server_ctx(server_cert))
+        names.append(writer.get_extra_info("ssl_object").server_hostname)
+        writer.write(await reader.readexactly(4))
+        await writer.drain()
+        writer.close()
+
+    server = await slabnet.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    ctx = client_ctx(tls_ca)
+    ctx.check_hostname = False  # the certificate is still verified
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    try:
+        writer.write(b"STARTTLS\n")
+        assert await asyncio.wait_for(reader.readexactly(3), WAKE) == b"GO\n"
+        await asyncio.wait_for(writer.start_tls(ctx, server_hostname=""), WAKE)
+        assert writer.get_extra_info("ssl_object").server_hostname is None
+        writer.write(b"ping")
+        assert await asyncio.wait_for(reader.readexactly(4), WAKE) == b"ping"
+        assert await asyncio.wait_for(reader.read(), WAKE) == b""
+    finally:
+        writer.close()
+        await asyncio.wait_for(writer.wait_closed(), WAKE)
+        server.close()
+        await asyncio.wait_for(server.wait_closed(), WAKE)
+    assert names == [None]  # the server saw no SNI
