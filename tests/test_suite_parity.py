@@ -65,3 +65,38 @@ async def test_start_tls_takes_an_empty_server_hostname(server_cert: Any, tls_ca
         server.close()
         await asyncio.wait_for(server.wait_closed(), WAKE)
     assert names == [None]  # the server saw no SNI
+
+
+@pytest.mark.parametrize("name", [None, ""])
+@pytest.mark.asyncio
+async def test_start_tls_refuses_to_check_no_name(
+    server_cert: Any, tls_ca: Any, name: str | None
+) -> None:
+    """A client context that checks host names, and no name to check: asyncio's
+    ``start_tls`` (both loops) completes the handshake and checks nothing,
+    accepting a certificate issued for any host its CA signed. slabnet
+    refuses before the upgrade begins, and the plain connection is left as
+    it was."""
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        writer.write(await reader.readexactly(5))
+        await writer.drain()
+        writer.close()
+
+    server = await slabnet.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    ctx = client_ctx(tls_ca)
+    assert ctx.check_hostname
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    try:
+        with pytest.raises(ValueError, match="server_hostname"):
+            await asyncio.wait_for(writer.start_tls(ctx, server_hostname=name), WAKE)
+        assert writer.get_extra_info("ssl_object") is None
+        writer.write(b"plain")
+        assert await asyncio.wait_for(reader.readexactly(5), WAKE) == b"plain"
+        assert await asyncio.wait_for(reader.read(), WAKE) == b""
+    finally:
+        writer.close()
+        await asyncio.wait_for(writer.wait_closed(), WAKE)
+        server.close()
+        await asyncio.wait_for(server.wait_closed(), WAKE)
