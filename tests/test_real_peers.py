@@ -1,0 +1,450 @@
+"""TLS against other real implementations: GnuTLS (``gnutls-serv``,
+``gnutls-cli``) and stunnel in front of ``openssl s_server``.
+
+Each test starts its peer processes itself (``peers`` kills every one of
+them, whatever the test did) on free ports, and bounds every wait. A test
+whose program is not installed skips, naming the Debian package; CI installs
+them with ``apt-get install -y gnutls-bin stunnel4``.
+
+What the peers do differently from OpenSSL and Python's ``ssl``:
+
+* ``gnutls-serv --echo`` is line based and string based (it echoes what it
+  holds once a ``\\n`` arrived, up to the first NUL), so the data here is hex
+  text in lines. Its command ``**REHANDSHAKE**`` is, under TLS 1.3, a
+  KeyUpdate that asks us for one of our own (``gnutls_rehandshake``).
+* ``gnutls-serv --http --httpdata FILE`` answers one GET with the file and
+  closes with close_notify.
+* ``gnutls-cli --inline-commands`` sends KeyUpdates on ``^rekey1^`` (its
+  own) and ``^rekey^`` (its own, asking for ours).
+* ``openssl s_server`` (without ``-quiet``) takes a stdin read of ``k\\n`` /
+  ``K\\n`` as a KeyUpdate (``K`` asks for ours) and ``R\\n`` as a TLS 1.2
+  renegotiation, and prints status lines into the data it writes to stdout,
+  so the data is hex text without newlines and is picked out of its output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import shutil
+import socket
+import ssl
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pytest
+
+import slabnet
+from test_tls_streams import free_port, pem_files  # noqa: F401 (a fixture)
+
+WAKE = 15.0  # seconds any one step may take (a peer process starting, a transfer)
+MAX_CHUNK = 16384  # slabnet's chunk bound: one TLSPlaintext fragment
+TLS12 = ssl.TLSVersion.TLSv1_2
+TLS13 = ssl.TLSVersion.TLSv1_3
+GNUTLS_PRIORITY = {
+    TLS12: "NORMAL:-VERS-ALL:+VERS-TLS1.2",
+    TLS13: "NORMAL:-VERS-ALL:+VERS-TLS1.3",
+}
+
+
+def needs(program: str, package: str) -> pytest.MarkDecorator:
+    return pytest.mark.skipif(
+        shutil.which(program) is None,
+        reason=f"needs {program} (Debian package {package})",
+    )
+
+
+GNUTLS_SERV = needs("gnutls-serv", "gnutls-bin")
+GNUTLS_CLI = needs("gnutls-cli", "gnutls-bin")
+STUNNEL = needs("stunnel", "stunnel4")
+OPENSSL = needs("openssl", "openssl")
+
+
+def hex_lines(size: int, seed: int) -> bytes:
+    """About ``size`` bytes of hex text in lines of random length."""
+    rnd = random.Random(seed)
+    out = []
+    total = 0
+    while total < size:
+        n = rnd.randrange(1, 3000)
+        line = rnd.randbytes((n + 1) // 2).hex().encode()[:n] + b"\n"
+        out.append(line)
+        total += len(line)
+    return b"".join(out)
+
+
+class Peers:
+    """The peer processes of one test; ``kill_all`` ends every one."""
+
+    def __init__(self, tmp: Path) -> None:
+        self.tmp = tmp
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self, *args: str, stdin: bool = False, out: str | None = None) -> subprocess.Popen[bytes]:
+        stdout: Any = subprocess.DEVNULL if out is None else open(self.tmp / out, "wb")
+        stderr = open(self.tmp / f"{Path(args[0]).name}-{len(self.procs)}.err", "wb")
+        try:
+            proc = subprocess.Popen(
+                args, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                stdout=stdout, stderr=stderr,
+            )
+        finally:
+            stderr.close()
+            if out is not None:
+                stdout.close()
+        self.procs.append(proc)
+        return proc
+
+    def output(self, name: str) -> bytes:
+        return (self.tmp / name).read_bytes()
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(WAKE)
+            if proc.stdin is not None:
+                try:
+                    proc.stdin.close()
+                except OSError:  # its pipe is broken: the process is gone
+                    pass
+
+
+@pytest.fixture
+def peers(tmp_path: Path) -> Iterator[Peers]:
+    p = Peers(tmp_path)
+    try:
+        yield p
+    finally:
+        p.kill_all()
+
+
+async def wait_listening(port: int) -> None:
+    """Until something accepts on ``port`` (a plain connection, closed at
+    once: gnutls-serv and stunnel drop it and go on)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAKE
+    while True:
+        try:
+            _, w = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            if loop.time() > deadline:
+                raise AssertionError(f"nothing listens on port {port}") from None
+            await asyncio.sleep(0.02)
+            continue
+        w.close()
+        await w.wait_closed()
+        return
+
+
+async def wait_output(peers: Peers, name: str, needle: bytes) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAKE
+    while needle not in peers.output(name):
+        if loop.time() > deadline:
+            raise AssertionError(f"{needle!r} never appeared in {name}")
+        await asyncio.sleep(0.02)
+
+
+async def in_thread(fn: Any, *args: Any) -> Any:
+    """``fn(*args)`` (a blocking pipe write, a process wait) in a daemon
+    thread of its own, bounded: a peer that stops reading its input holds
+    the thread only until ``peers`` kills it, and never the loop's
+    executor, which the loop's close would wait for."""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[Any] = loop.create_future()
+
+    def settle(result: Any, exc: BaseException | None) -> None:
+        if done.done():
+            return
+        if exc is None:
+            done.set_result(result)
+        else:
+            done.set_exception(exc)
+
+    def run() -> None:
+        try:
+            result = fn(*args)
+        except BaseException as exc:  # handed to the awaiting test
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
+
+    threading.Thread(target=run, daemon=True).start()
+    return await asyncio.wait_for(done, WAKE)
+
+
+def pipe_write(pipe: BinaryIO | None, data: bytes) -> None:
+    assert pipe is not None
+    pipe.write(data)
+    pipe.flush()
+
+
+def client_context(pems: dict[str, str], version: ssl.TLSVersion | None = None) -> ssl.SSLContext:
+    ctx = ssl.create_default_context(cafile=pems["ca"])
+    if version is not None:
+        ctx.minimum_version = ctx.maximum_version = version
+    return ctx
+
+
+def server_context(pems: dict[str, str], version: ssl.TLSVersion) -> ssl.SSLContext:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(pems["server"])
+    ctx.minimum_version = ctx.maximum_version = version
+    return ctx
+
+
+def gnutls_serv(peers: Peers, pems: dict[str, str], version: ssl.TLSVersion, *mode: str) -> int:
+    port = free_port()
+    peers.start(
+        "gnutls-serv", "-q", "-p", str(port), "--x509certfile", pems["server"],
+        "--x509keyfile", pems["server"], "--priority", GNUTLS_PRIORITY[version], *mode,
+    )
+    return port
+
+
+async def close(writer: slabnet.StreamWriter) -> None:
+    writer.close()
+    await asyncio.wait_for(writer.wait_closed(), WAKE)
+
+
+# ------------------------------------------------------ GnuTLS as the server
+
+
+@GNUTLS_SERV
+@pytest.mark.parametrize("version", [TLS12, TLS13], ids=["tls12", "tls13"])
+@pytest.mark.asyncio
+async def test_download_from_gnutls_is_exact_and_ends_at_its_close_notify(
+    peers: Peers, pem_files: dict[str, str], tmp_path: Path, version: ssl.TLSVersion
+) -> None:
+    body = os.urandom(8 << 20)
+    (tmp_path / "body").write_bytes(body)
+    port = gnutls_serv(peers, pem_files, version, "--http", "--httpdata", str(tmp_path / "body"))
+    await wait_listening(port)
+    # ssl_ragged_eof=False: a FIN without close_notify would raise, so the
+    # clean EOF below is GnuTLS's close_notify.
+    reader, writer = await asyncio.wait_for(slabnet.open_connection(
+        "127.0.0.1", port, ssl=client_context(pem_files, version),
+        server_hostname="localhost", ssl_ragged_eof=False,
+    ), WAKE)
+    assert writer.get_extra_info("ssl_object").version() == {TLS12: "TLSv1.2", TLS13: "TLSv1.3"}[version]
+    writer.write(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAKE)
+    assert head.startswith(b"HTTP/1.0 200 OK\r\n")
+    assert f"Content-Length: {len(body)}\r\n".encode() in head
+    parts = []
+    async with asyncio.timeout(WAKE):
+        async for chunk in reader.chunks():
+            assert 0 < len(chunk) <= MAX_CHUNK
+            parts.append(bytes(chunk))
+    assert b"".join(parts) == body
+    # 16 KiB records: about one chunk each, never hundreds of slivers
+    assert len(parts) <= 2 * len(body) // MAX_CHUNK + 2, len(parts)
+    assert reader.at_eof()
+    await close(writer)
+
+
+@GNUTLS_SERV
+@pytest.mark.asyncio
+async def test_gnutls_server_key_update_mid_stream_both_ways(
+    peers: Peers, pem_files: dict[str, str]
+) -> None:
+    # Under TLS 1.3 gnutls-serv's **REHANDSHAKE** sends a KeyUpdate that
+    # asks for ours: what we send after it must be under our new key (or
+    # GnuTLS fails to decrypt it), what it sends under its new one.
+    data = hex_lines(2 << 20, seed=1)
+    cut = data.index(b"\n", len(data) // 2) + 1
+    port = gnutls_serv(peers, pem_files, TLS13, "--echo")
+    await wait_listening(port)
+    reader, writer = await asyncio.wait_for(slabnet.open_connection(
+        "127.0.0.1", port, ssl=client_context(pem_files, TLS13), server_hostname="localhost",
+    ), WAKE)
+    writer.write(data[:cut])
+    writer.write(b"**REHANDSHAKE**\n")
+    writer.write(data[cut:])
+    expected = data[:cut] + b"Successfully executed command\n" + data[cut:]
+    got = await asyncio.wait_for(reader.readexactly(len(expected)), WAKE)
+    assert got == expected
+    # and one more round trip, well after both sides changed keys
+    writer.write(b"after\n")
+    assert await asyncio.wait_for(reader.readline(), WAKE) == b"after\n"
+    await close(writer)
+
+
+@GNUTLS_SERV
+@pytest.mark.asyncio
+async def test_one_byte_writes_to_gnutls(peers: Peers, pem_files: dict[str, str]) -> None:
+    data = hex_lines(20000, seed=2)
+    port = gnutls_serv(peers, pem_files, TLS13, "--echo")
+    await wait_listening(port)
+    reader, writer = await asyncio.wait_for(slabnet.open_connection(
+        "127.0.0.1", port, ssl=client_context(pem_files, TLS13), server_hostname="localhost",
+    ), WAKE)
+    for i in range(len(data)):
+        writer.write(data[i : i + 1])
+        if i % 64 == 0:
+            await asyncio.wait_for(writer.drain(), WAKE)
+    got = await asyncio.wait_for(reader.readexactly(len(data)), WAKE)
+    assert got == data
+    await close(writer)
+
+
+# ------------------------------------------------------ GnuTLS as the client
+
+
+async def serve_gnutls_cli(
+    peers: Peers, pem_files: dict[str, str], tmp_path: Path, version: ssl.TLSVersion,
+    command: bytes | None,
+) -> None:
+    """A slabnet server that sends ``down`` to a ``gnutls-cli`` and reads
+    ``up`` from it, with ``command`` in gnutls-cli's input half way."""
+    up = hex_lines(1 << 20, seed=3)
+    down = hex_lines(1 << 20, seed=4)
+    cut = up.index(b"\n", len(up) // 2) + 1
+    received = bytearray()
+    served: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        try:
+            writer.write(down)
+            # read while the download drains: gnutls-cli writes while it reads
+            draining = asyncio.ensure_future(writer.drain())
+            async with asyncio.timeout(WAKE):
+                async for chunk in reader.chunks():
+                    received.extend(chunk)
+                await draining
+            writer.close()
+            await asyncio.wait_for(writer.wait_closed(), WAKE)
+        except BaseException as exc:
+            served.set_exception(exc)
+        else:
+            served.set_result(None)
+
+    server = await slabnet.start_server(
+        handler, "127.0.0.1", 0, ssl=server_context(pem_files, version)
+    )
+    try:
+        port = server.sockets[0].getsockname()[1]
+        cli = peers.start(
+            "gnutls-cli", "--inline-commands", "--x509cafile", pem_files["ca"],
+            "-p", str(port), "--priority", GNUTLS_PRIORITY[version], "localhost",
+            stdin=True, out="cli.out",
+        )
+        await in_thread(pipe_write, cli.stdin, up[:cut] + (command + b"\n" if command else b""))
+        await in_thread(pipe_write, cli.stdin, up[cut:])
+        # gnutls-cli sends close_notify at the end of its input: end it only
+        # once everything came both ways.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + WAKE
+        while len(received) < len(up) or down not in peers.output("cli.out"):
+            assert loop.time() < deadline, (len(received), len(peers.output("cli.out")))
+            assert not served.done(), served
+            await asyncio.sleep(0.02)
+        assert cli.stdin is not None
+        cli.stdin.close()
+        await asyncio.wait_for(served, WAKE)
+        assert bytes(received) == up
+        assert await in_thread(cli.wait) == 0
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+@GNUTLS_CLI
+@pytest.mark.parametrize(
+    "version, command",
+    [(TLS12, None), (TLS13, None), (TLS13, b"^rekey1^"), (TLS13, b"^rekey^")],
+    ids=["tls12", "tls13", "tls13-keyupdate", "tls13-keyupdate-requested"],
+)
+@pytest.mark.asyncio
+async def test_gnutls_client_bytes_exact_both_ways(
+    peers: Peers, pem_files: dict[str, str], tmp_path: Path,
+    version: ssl.TLSVersion, command: bytes | None,
+) -> None:
+    await serve_gnutls_cli(peers, pem_files, tmp_path, version, command)
+
+
+# -------------------------------- TLS inside TLS: stunnel, then openssl s_server
+
+
+def stunnel_config(tmp: Path, accept: int, connect: int, pem: str) -> str:
+    path = tmp / "stunnel.conf"
+    path.write_text(
+        "foreground = yes\npid =\ndebug = 3\n[tls]\n"
+        f"accept = 127.0.0.1:{accept}\nconnect = 127.0.0.1:{connect}\ncert = {pem}\n"
+    )
+    return str(path)
+
+
+def s_server_data(output: bytes) -> bytes:
+    """The hex data in s_server's stdout, without its status lines (each
+    piece of data is far longer than any hex run in them)."""
+    return b"".join(re.findall(rb"[0-9a-f]{400,}", output))
+
+
+@STUNNEL
+@OPENSSL
+@pytest.mark.parametrize(
+    "inner, command",
+    [(TLS13, b"k"), (TLS13, b"K"), (TLS12, b"R")],
+    ids=["tls13-keyupdate", "tls13-keyupdate-requested", "tls12-renegotiation"],
+)
+@pytest.mark.asyncio
+async def test_tls_in_tls_through_stunnel_to_s_server(
+    peers: Peers, pem_files: dict[str, str], tmp_path: Path,
+    inner: ssl.TLSVersion, command: bytes,
+) -> None:
+    # outer layer: slabnet to stunnel (TLS 1.3); stunnel forwards the
+    # plaintext, the inner session, to s_server, which changes keys (or
+    # renegotiates) on the inner layer half way.
+    up = os.urandom(2 << 20).hex().encode()
+    down = os.urandom(2 << 20).hex().encode()
+    half = len(down) // 2
+    backend, front = free_port(), free_port()
+    s_server = peers.start(
+        "openssl", "s_server", "-accept", str(backend), "-cert", pem_files["server"],
+        {TLS12: "-tls1_2", TLS13: "-tls1_3"}[inner], stdin=True, out="s_server.out",
+    )
+    await wait_output(peers, "s_server.out", b"ACCEPT")
+    peers.start("stunnel", stunnel_config(tmp_path, front, backend, pem_files["server"]))
+    await wait_listening(front)
+
+    reader, writer = await asyncio.wait_for(slabnet.open_connection(
+        "127.0.0.1", front, ssl=client_context(pem_files), server_hostname="localhost",
+    ), WAKE)
+    await asyncio.wait_for(writer.start_tls(
+        client_context(pem_files, inner), server_hostname="localhost"
+    ), WAKE)
+    assert writer.get_extra_info("ssl_object").version() == {TLS12: "TLSv1.2", TLS13: "TLSv1.3"}[inner]
+
+    # read while s_server's input is written: it stops reading its input
+    # while its socket is full
+    writer.write(up[: len(up) // 2])
+    reading = asyncio.ensure_future(asyncio.wait_for(reader.readexactly(half), WAKE))
+    await in_thread(pipe_write, s_server.stdin, down[:half])
+    assert await reading == down[:half]
+    # s_server has read all of its input: the command is a read of its own
+    await in_thread(pipe_write, s_server.stdin, command + b"\n")
+    writer.write(up[len(up) // 2 :])
+    reading = asyncio.ensure_future(asyncio.wait_for(reader.readexactly(len(down) - half), WAKE))
+    await in_thread(pipe_write, s_server.stdin, down[half:])
+    assert await reading == down[half:]
+    await asyncio.wait_for(writer.drain(), WAKE)
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAKE
+    while len(s_server_data(peers.output("s_server.out"))) < len(up):
+        assert loop.time() < deadline, len(s_server_data(peers.output("s_server.out")))
+        await asyncio.sleep(0.02)
+    assert s_server_data(peers.output("s_server.out")) == up
+    # s_server took the command as one (not as data: the data is exact) and
+    # its handshake step for it completed.
+    status = re.sub(rb"[0-9a-f]{400,}", b"", peers.output("s_server.out"))
+    assert b"SSL_do_handshake -> 1" in status, status
+    await close(writer)
