@@ -448,3 +448,65 @@ async def test_tls_in_tls_through_stunnel_to_s_server(
     status = re.sub(rb"[0-9a-f]{400,}", b"", peers.output("s_server.out"))
     assert b"SSL_do_handshake -> 1" in status, status
     await close(writer)
+
+
+# ------------------------------------ close_notify, bare FIN: gnutls-cli ends
+
+
+@GNUTLS_CLI
+@pytest.mark.parametrize("ending", ["close_notify", "killed"])
+@pytest.mark.asyncio
+async def test_gnutls_client_close_notify_is_eof_and_a_bare_fin_is_truncation(
+    peers: Peers, pem_files: dict[str, str], ending: str
+) -> None:
+    # gnutls-cli sends close_notify at the end of its input; killed, its
+    # kernel sends a bare FIN. TLS 1.2: the server sends nothing after the
+    # handshake (no tickets), so the killed client has nothing unread and
+    # its kernel sends FIN, never RST.
+    data = b"x" * 100000 + b"\n"
+    outcome: asyncio.Future[tuple[int, BaseException | None]] = (
+        asyncio.get_running_loop().create_future()
+    )
+
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        n = 0
+        try:
+            async with asyncio.timeout(WAKE):
+                async for chunk in reader.chunks():
+                    n += len(chunk)
+                    if n == len(data):
+                        received.set()
+        except Exception as exc:
+            outcome.set_result((n, exc))
+        else:
+            outcome.set_result((n, None))
+        writer.close()
+
+    received = asyncio.Event()
+    server = await slabnet.start_server(
+        handler, "127.0.0.1", 0, ssl=server_context(pem_files, TLS12), ssl_ragged_eof=False
+    )
+    try:
+        port = server.sockets[0].getsockname()[1]
+        cli = peers.start(
+            "gnutls-cli", "--x509cafile", pem_files["ca"], "-p", str(port),
+            "--priority", GNUTLS_PRIORITY[TLS12], "localhost", stdin=True,
+        )
+        await in_thread(pipe_write, cli.stdin, data)
+        await asyncio.wait_for(received.wait(), WAKE)
+        if ending == "killed":
+            cli.kill()
+        else:
+            assert cli.stdin is not None
+            cli.stdin.close()
+        n, exc = await asyncio.wait_for(outcome, WAKE)
+        assert n == len(data)
+        if ending == "close_notify":
+            assert exc is None
+        else:
+            assert isinstance(exc, slabnet.TLSTruncatedError), exc
+            # the streams' keyword, which the app passed
+            assert "ssl_ragged_eof=True" in str(exc), str(exc)
+    finally:
+        server.close()
+        await server.wait_closed()
