@@ -16,6 +16,8 @@ What the peers do differently from OpenSSL and Python's ``ssl``:
   closes with close_notify.
 * ``gnutls-cli --inline-commands`` sends KeyUpdates on ``^rekey1^`` (its
   own) and ``^rekey^`` (its own, asking for ours).
+* nginx sends a static file in records of ``ssl_buffer_size`` and closes
+  an idle keep-alive connection with close_notify, then FIN.
 * ``openssl s_server`` (without ``-quiet``) takes a stdin read of ``k\\n`` /
   ``K\\n`` as a KeyUpdate (``K`` asks for ours) and ``R\\n`` as a TLS 1.2
   renegotiation, and prints status lines into the data it writes to stdout,
@@ -63,6 +65,7 @@ def needs(program: str, package: str) -> pytest.MarkDecorator:
 GNUTLS_SERV = needs("gnutls-serv", "gnutls-bin")
 GNUTLS_CLI = needs("gnutls-cli", "gnutls-bin")
 STUNNEL = needs("stunnel", "stunnel4")
+NGINX = needs("nginx", "nginx-light")
 OPENSSL = needs("openssl", "openssl")
 
 
@@ -295,6 +298,69 @@ async def test_one_byte_writes_to_gnutls(peers: Peers, pem_files: dict[str, str]
     await close(writer)
 
 
+# ----------------------------------------------------------- nginx as origin
+
+
+def nginx_config(tmp: Path, port: int, pem: str, buffer_size: str) -> str:
+    (tmp / "www").mkdir(exist_ok=True)
+    path = tmp / "nginx.conf"
+    path.write_text(
+        f"daemon off; master_process off; pid {tmp}/nginx.pid;\n"
+        f"error_log {tmp}/nginx-error.log;\n"
+        "events { worker_connections 16; }\n"
+        f"http {{ access_log off; client_body_temp_path {tmp}; proxy_temp_path {tmp};"
+        f" fastcgi_temp_path {tmp}; uwsgi_temp_path {tmp}; scgi_temp_path {tmp};\n"
+        # one second: the idle connection's close is part of the test
+        " keepalive_timeout 1; sendfile off;\n"
+        f" server {{ listen 127.0.0.1:{port} ssl; ssl_certificate {pem};"
+        f" ssl_certificate_key {pem}; ssl_buffer_size {buffer_size};"
+        f" ssl_early_data off; root {tmp}/www; }}\n}}\n"
+    )
+    return str(path)
+
+
+async def http_get(reader: slabnet.StreamReader, writer: slabnet.StreamWriter, path: str) -> list[bytes]:
+    writer.write(f"GET /{path} HTTP/1.1\r\nHost: localhost\r\n\r\n".encode())
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAKE)
+    assert head.startswith(b"HTTP/1.1 200 OK\r\n"), head
+    match = re.search(rb"\r\nContent-Length: (\d+)\r\n", head)
+    assert match is not None, head
+    left = int(match.group(1))
+    parts = []
+    async with asyncio.timeout(WAKE):
+        while left:
+            chunk = await reader.read_chunk()
+            assert 0 < len(chunk) <= min(left, MAX_CHUNK), (len(chunk), left)
+            parts.append(bytes(chunk))
+            left -= len(chunk)
+    return parts
+
+
+@NGINX
+@pytest.mark.asyncio
+async def test_nginx_keep_alive_downloads_then_its_idle_close(
+    peers: Peers, pem_files: dict[str, str], tmp_path: Path
+) -> None:
+    # 1 KiB records: slabnet joins them into chunks of at most 16 KiB
+    port = free_port()
+    conf = nginx_config(tmp_path, port, pem_files["server"], "1k")
+    big, small = os.urandom(4 << 20), os.urandom(100_000)
+    (tmp_path / "www" / "big").write_bytes(big)
+    (tmp_path / "www" / "small").write_bytes(small)
+    peers.start("nginx", "-c", conf, "-p", str(tmp_path))
+    await wait_listening(port)
+    # ssl_ragged_eof=False: nginx's idle close must come with close_notify
+    reader, writer = await asyncio.wait_for(slabnet.open_connection(
+        "127.0.0.1", port, ssl=client_context(pem_files), server_hostname="localhost",
+        ssl_ragged_eof=False,
+    ), WAKE)
+    assert b"".join(await http_get(reader, writer, "big")) == big
+    assert b"".join(await http_get(reader, writer, "small")) == small
+    assert b"".join(await http_get(reader, writer, "big")) == big
+    assert await asyncio.wait_for(reader.read(), WAKE) == b""
+    await close(writer)
+
+
 # ------------------------------------------------------ GnuTLS as the client
 
 
@@ -304,8 +370,9 @@ async def serve_gnutls_cli(
 ) -> None:
     """A slabnet server that sends ``down`` to a ``gnutls-cli`` and reads
     ``up`` from it, with ``command`` in gnutls-cli's input half way."""
-    up = hex_lines(1 << 20, seed=3)
-    down = hex_lines(1 << 20, seed=4)
+    # gnutls-cli takes its input line by line (about 0.5 MB/s here)
+    up = hex_lines(512 << 10, seed=3)
+    down = hex_lines(512 << 10, seed=4)
     cut = up.index(b"\n", len(up) // 2) + 1
     received = bytearray()
     served: asyncio.Future[None] = asyncio.get_running_loop().create_future()
