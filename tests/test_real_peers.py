@@ -4,7 +4,7 @@
 Each test starts its peer processes itself (``peers`` kills every one of
 them, whatever the test did) on free ports, and bounds every wait. A test
 whose program is not installed skips, naming the Debian package; CI installs
-them with ``apt-get install -y gnutls-bin stunnel4``.
+them with ``apt-get install -y gnutls-bin stunnel4 haproxy nginx-light``.
 
 What the peers do differently from OpenSSL and Python's ``ssl``:
 
@@ -66,6 +66,7 @@ GNUTLS_SERV = needs("gnutls-serv", "gnutls-bin")
 GNUTLS_CLI = needs("gnutls-cli", "gnutls-bin")
 STUNNEL = needs("stunnel", "stunnel4")
 NGINX = needs("nginx", "nginx-light")
+HAPROXY = needs("haproxy", "haproxy")
 OPENSSL = needs("openssl", "openssl")
 
 
@@ -359,6 +360,95 @@ async def test_nginx_keep_alive_downloads_then_its_idle_close(
     assert b"".join(await http_get(reader, writer, "big")) == big
     assert await asyncio.wait_for(reader.read(), WAKE) == b""
     await close(writer)
+
+
+# ---------------------------------- haproxy, stunnel: terminating, originating
+
+
+def proxy_args(tmp: Path, proxy: str, tls_side: str, front: int, back: int, pems: dict[str, str]) -> list[str]:
+    """``proxy`` between ``front`` and ``back``; TLS on its ``tls_side``
+    ("front": it terminates TLS; "back": it opens TLS to the server)."""
+    if proxy == "haproxy":
+        bind = f"bind 127.0.0.1:{front}" + (f" ssl crt {pems['server']}" if tls_side == "front" else "")
+        server = f"server s1 127.0.0.1:{back}" + (
+            f" ssl verify required ca-file {pems['ca']} sni str(localhost)" if tls_side == "back" else ""
+        )
+        path = tmp / "haproxy.cfg"
+        path.write_text(
+            "defaults\n mode tcp\n timeout connect 5s\n timeout client 30s\n timeout server 30s\n"
+            f"frontend f\n {bind}\n default_backend b\nbackend b\n {server}\n"
+        )
+        return ["haproxy", "-db", "-f", str(path)]
+    conf = f"foreground = yes\npid =\n[p]\naccept = 127.0.0.1:{front}\nconnect = 127.0.0.1:{back}\n"
+    if tls_side == "front":
+        conf += f"cert = {pems['server']}\n"
+    else:
+        conf += f"client = yes\nCAfile = {pems['ca']}\nverifyChain = yes\ncheckHost = localhost\nsni = localhost\n"
+    path = tmp / "stunnel.conf"
+    path.write_text(conf)
+    return ["stunnel", str(path)]
+
+
+@pytest.mark.parametrize("tls_side", ["front", "back"])
+@pytest.mark.parametrize(
+    "proxy", [pytest.param("haproxy", marks=HAPROXY), pytest.param("stunnel", marks=STUNNEL)]
+)
+@pytest.mark.asyncio
+async def test_through_a_tls_proxy_bytes_exact_both_ways(
+    peers: Peers, pem_files: dict[str, str], tmp_path: Path, proxy: str, tls_side: str
+) -> None:
+    # front: slabnet's TLS client -> proxy -> slabnet's plain server;
+    # back: slabnet's plain client -> proxy -> slabnet's TLS server.
+    data = os.urandom(4 << 20)
+    ended: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def echo(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        try:
+            async with asyncio.timeout(WAKE):
+                async for chunk in reader.chunks():
+                    writer.write(chunk)
+                    await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+        except BaseException as exc:
+            if not ended.done():
+                ended.set_exception(exc)
+        else:
+            if not ended.done():
+                ended.set_result(None)
+
+    server = await slabnet.start_server(
+        echo, "127.0.0.1", 0,
+        ssl=server_context(pem_files, TLS13) if tls_side == "back" else None,
+    )
+    try:
+        front = free_port()
+        peers.start(*proxy_args(
+            tmp_path, proxy, tls_side, front, server.sockets[0].getsockname()[1], pem_files
+        ))
+        await wait_listening(front)
+        reader, writer = await asyncio.wait_for(slabnet.open_connection(
+            "127.0.0.1", front,
+            ssl=client_context(pem_files) if tls_side == "front" else None,
+            server_hostname="localhost" if tls_side == "front" else None,
+        ), WAKE)
+
+        async def send() -> None:
+            for i in range(0, len(data), 1 << 16):
+                writer.write(data[i : i + (1 << 16)])
+                await writer.drain()
+            # (no write_eof: both proxies turn a half-close into a full
+            # close of the TLS side, the echo's last bytes lost -- asyncio's
+            # streams too)
+
+        sending = asyncio.ensure_future(asyncio.wait_for(send(), WAKE))
+        got = await asyncio.wait_for(reader.readexactly(len(data)), WAKE)
+        await sending
+        assert got == data
+        await close(writer)
+    finally:
+        server.close()
+        await server.wait_closed()
 
 
 # ------------------------------------------------------ GnuTLS as the client
