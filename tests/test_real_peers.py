@@ -53,10 +53,15 @@ GNUTLS_PRIORITY = {
 }
 
 
+def which(program: str) -> str | None:
+    """``program``'s path; Debian puts nginx and haproxy in /usr/sbin, which
+    a user's PATH may not hold."""
+    return shutil.which(program) or shutil.which(program, path="/usr/sbin:/sbin")
+
+
 def needs(program: str, package: str) -> pytest.MarkDecorator:
     return pytest.mark.skipif(
-        shutil.which(program) is None,
-        reason=f"needs {program} (Debian package {package})",
+        which(program) is None, reason=f"needs {program} (Debian package {package})"
     )
 
 
@@ -93,7 +98,8 @@ class Peers:
         stderr = open(self.tmp / f"{Path(args[0]).name}-{len(self.procs)}.err", "wb")
         try:
             proc = subprocess.Popen(
-                args, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+                [which(args[0]) or args[0], *args[1:]],
+                stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
                 stdout=stdout, stderr=stderr,
             )
         finally:
