@@ -20,7 +20,22 @@ __all__ = [
 ]
 
 
-class TLSTruncatedError(ssl.SSLEOFError):
+class _MessageStr:
+    """``str()`` of an ``ssl.SSLError`` made with one message: the message.
+
+    ``ssl.SSLError.__str__`` gives ``str(self.args)`` unless ``strerror`` is
+    set (the ``ssl`` module's own errors set it), so slabnet's would read
+    ``('the peer closed ...',)`` in logs and tracebacks."""
+
+    args: tuple[object, ...]
+
+    def __str__(self) -> str:
+        if len(self.args) == 1:
+            return str(self.args[0])
+        return super().__str__()
+
+
+class TLSTruncatedError(_MessageStr, ssl.SSLEOFError):
     """The peer closed TCP without sending a TLS close_notify alert.
 
     An attacker who can inject a FIN could otherwise cut a response short
@@ -30,7 +45,7 @@ class TLSTruncatedError(ssl.SSLEOFError):
     """
 
 
-class TLSRecordError(ssl.SSLError):
+class TLSRecordError(_MessageStr, ssl.SSLError):
     """The peer sent a TLS record header that cannot be valid."""
 
 

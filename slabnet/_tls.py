@@ -704,9 +704,12 @@ class TLSEngine:
                     self._set_state(_CLOSED)
                 return _EMPTY
             else:
+                # Name the streams' and transports' keyword too: that is
+                # what most apps passed (the engine's own is ragged_eof).
                 final = TLSTruncatedError(
                     "the peer closed the connection without a TLS close_notify"
-                    " alert (pass ragged_eof=True to accept this)"
+                    " alert (pass ssl_ragged_eof=True, or ragged_eof=True to"
+                    " a TLSEngine, to accept this)"
                 )
         else:
             return None
