@@ -882,3 +882,55 @@ async def test_full_backlog_matches_asyncio(sockdir: str) -> None:
     assert seen["slabnet"] == seen["asyncio"]
     assert seen["slabnet"][:2] == ["connected", "connected"]
     assert seen["slabnet"][-1] == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("opener", ["unix_path", "sock"])
+async def test_tls_without_server_hostname_refused_as_asyncio(
+    sockdir: str, opener: str, server_cert: Any
+) -> None:
+    """ssl= with no host to take the name from (a Unix path, a sock=) and no
+    server_hostname: asyncio refuses it on both loops, whatever the context's
+    check_hostname (server_hostname='' is how to go without one), and so
+    does slabnet. (It used to connect when check_hostname was off, so code
+    that worked on slabnet failed on asyncio's streams.)"""
+
+    def unchecked() -> ssl.SSLContext:
+        ctx = ssl.create_default_context()
+        ctx.check_hostname = False
+        ctx.verify_mode = ssl.CERT_NONE
+        return ctx
+
+    async def scenario(impl: ModuleType, where: str) -> list[Any]:
+        path = os.path.join(where, "s")
+
+        async def handle(reader: Any, writer: Any) -> None:
+            writer.write(b"hi")
+            await writer.drain()
+            writer.close()
+
+        server = await impl.start_unix_server(handle, path, ssl=server_ctx(server_cert))
+        seen: list[Any] = []
+        for kw in ({}, {"server_hostname": ""}):
+            if opener == "unix_path":
+                call = impl.open_unix_connection(path, ssl=unchecked(), **kw)
+            else:
+                client = socket.socket(socket.AF_UNIX)
+                client.connect(path)
+                call = impl.open_connection(sock=client, ssl=unchecked(), **kw)
+            try:
+                reader, writer = await asyncio.wait_for(call, WAIT)
+            except ValueError:
+                seen.append("ValueError")
+                if opener == "sock":
+                    client.close()
+                continue
+            seen.append(await asyncio.wait_for(reader.read(), WAIT))
+            writer.close()
+            await asyncio.wait_for(writer.wait_closed(), WAIT)
+        server.close()
+        await asyncio.wait_for(server.wait_closed(), WAIT)
+        return seen
+
+    seen = await both(scenario, sockdir)
+    assert seen["slabnet"] == seen["asyncio"] == ["ValueError", b"hi"]
