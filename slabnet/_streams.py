@@ -1018,7 +1018,11 @@ def _ssl_args(
     if server_side:
         return ctx, None
     if server_hostname is None:
-        if not host and ctx.check_hostname:
+        # As asyncio's create_connection()/create_unix_connection(), on both
+        # loops, whatever the context's check_hostname: with no host to take
+        # the name from (a Unix path, sock=) the caller must say which name
+        # to send, or '' for none, so code that runs here runs on asyncio.
+        if not host:
             raise ValueError("You must set server_hostname when using ssl without a host")
         server_hostname = host
     return ctx, server_hostname or None
