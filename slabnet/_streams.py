@@ -845,7 +845,9 @@ class _StreamProtocol(ChunkProtocol):
         finally:
             self._drain_waiters.remove(waiter)
 
-    def _get_close_waiter(self) -> asyncio.Future[None]:
+    def _get_close_waiter(self, stream: object = None) -> asyncio.Future[None]:
+        # ``stream``: the writer, which asyncio's StreamWriter passes to
+        # asyncio's protocol (unused here: one close future per connection).
         return self._closed
 
     def _upgraded(self, transport: TLSTransport) -> None:
@@ -923,8 +925,11 @@ class StreamWriter:
         # Shielded: the close future is the connection's, shared by every
         # waiter. asyncio's awaits it bare, so one cancelled wait_closed()
         # (a timeout around it) cancels it, and every later one raises
-        # CancelledError at once, in a task nobody cancelled.
-        await asyncio.shield(self._protocol._get_close_waiter())
+        # CancelledError at once, in a task nobody cancelled. The writer
+        # passes itself, as asyncio's does: one built on asyncio's
+        # StreamReaderProtocol (nats-py wraps loop.start_tls()'s transport
+        # so) takes no call without it.
+        await asyncio.shield(self._protocol._get_close_waiter(self))
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self._transport.get_extra_info(name, default)
