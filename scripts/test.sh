@@ -30,6 +30,7 @@ other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py
              tests/test_library_parity.py tests/test_cancel_audit.py
              tests/test_fault_audit.py tests/test_suite_parity.py
              tests/test_unix_streams.py  # cleanup_socket, the socket file by version
+             tests/test_messaging_parity.py
              tests/test_fuzz_parity.py)  # tuple separators from 3.13
 [ -f tests/test_soak.py ] && other_tests+=(tests/test_soak.py)
 for minor in 3.12 3.13; do
