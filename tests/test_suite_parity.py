@@ -23,6 +23,14 @@ pytestmark = pytest.mark.timeout(30)
 WAKE = 10.0  # seconds any waiter may take to wake after the event it waits for
 
 
+async def shut(writer: Any, server: Any) -> None:
+    """Close the client's writer and the server, each wait bounded."""
+    writer.close()
+    await asyncio.wait_for(writer.wait_closed(), WAKE)
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), WAKE)
+
+
 # ------------------------------------------------- STARTTLS with an empty server_hostname
 
 
@@ -60,10 +68,7 @@ async def test_start_tls_takes_an_empty_server_hostname(server_cert: Any, tls_ca
         assert await asyncio.wait_for(reader.readexactly(4), WAKE) == b"ping"
         assert await asyncio.wait_for(reader.read(), WAKE) == b""
     finally:
-        writer.close()
-        await asyncio.wait_for(writer.wait_closed(), WAKE)
-        server.close()
-        await asyncio.wait_for(server.wait_closed(), WAKE)
+        await shut(writer, server)
     assert names == [None]  # the server saw no SNI
 
 
@@ -96,7 +101,4 @@ async def test_start_tls_refuses_to_check_no_name(
         assert await asyncio.wait_for(reader.readexactly(5), WAKE) == b"plain"
         assert await asyncio.wait_for(reader.read(), WAKE) == b""
     finally:
-        writer.close()
-        await asyncio.wait_for(writer.wait_closed(), WAKE)
-        server.close()
-        await asyncio.wait_for(server.wait_closed(), WAKE)
+        await shut(writer, server)

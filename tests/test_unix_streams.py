@@ -90,6 +90,14 @@ async def both(
     return seen
 
 
+async def shut(writer: Any, server: Any) -> None:
+    """Close the client's writer and the server, each wait bounded."""
+    writer.close()
+    await asyncio.wait_for(writer.wait_closed(), WAIT)
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), WAIT)
+
+
 async def echo(reader: Any, writer: Any) -> None:
     try:
         while data := await reader.read(65536):
@@ -166,10 +174,7 @@ async def round_trip(impl: ModuleType, address: Any, **kw: Any) -> list[Any]:
         writer.get_extra_info("peername"), writer.get_extra_info("sockname"),
         writer.get_extra_info("socket").family,
     ]
-    writer.close()
-    await asyncio.wait_for(writer.wait_closed(), WAIT)
-    server.close()
-    await asyncio.wait_for(server.wait_closed(), WAIT)
+    await shut(writer, server)
     fspath = address if isinstance(address, (str, bytes)) else os.fspath(address)
     left = fspath[:1] not in ("\0", b"\0") and os.path.exists(fspath)
     return [data, info, server_saw, left, refused]
@@ -308,10 +313,7 @@ async def test_8mib_each_way_through_slow_readers(sockdir: str) -> None:
     assert reader.at_eof()
     assert len(got) == len(PAYLOAD) and got == PAYLOAD
     assert await asyncio.wait_for(server_got, WAIT) == PAYLOAD
-    writer.close()
-    await asyncio.wait_for(writer.wait_closed(), WAIT)
-    server.close()
-    await asyncio.wait_for(server.wait_closed(), WAIT)
+    await shut(writer, server)
 
 
 @pytest.mark.asyncio
@@ -344,10 +346,7 @@ async def test_one_byte_writes_and_half_close_both_ways(sockdir: str) -> None:
     with pytest.raises(asyncio.IncompleteReadError):
         await reader.readexactly(1)
     assert await reader.readline() == b""
-    writer.close()
-    await asyncio.wait_for(writer.wait_closed(), WAIT)
-    server.close()
-    await asyncio.wait_for(server.wait_closed(), WAIT)
+    await shut(writer, server)
 
 
 @pytest.mark.asyncio
@@ -386,10 +385,7 @@ async def test_read_edges_match_asyncio(sockdir: str) -> None:
             except asyncio.LimitOverrunError as exc:
                 seen.append(("LimitOverrunError", exc.consumed, str(exc)))
             seen.append(reader.at_eof())
-        writer.close()
-        await asyncio.wait_for(writer.wait_closed(), WAIT)
-        server.close()
-        await asyncio.wait_for(server.wait_closed(), WAIT)
+        await shut(writer, server)
         return seen
 
     seen = await both(scenario, sockdir)
@@ -548,10 +544,7 @@ async def test_start_tls_on_a_unix_stream(sockdir: str, tls_ca: Any, server_cert
     writer.write(b"hi\n")
     assert await asyncio.wait_for(reader.read(), WAIT) == b"secure:hi\n"
     assert writer.get_extra_info("ssl_object") is not None
-    writer.close()
-    await asyncio.wait_for(writer.wait_closed(), WAIT)
-    server.close()
-    await asyncio.wait_for(server.wait_closed(), WAIT)
+    await shut(writer, server)
 
 
 # ------------------------------------------------------------------ sock=
