@@ -593,7 +593,15 @@ class SlabTransport(WriteGate):
         self._set_state(_State.CLOSING)
         self._proto.pause_reading()
         self._proto.stop_reading()
-        self._maybe_close_raw()
+        if self._out and self._send_open and not self._waiting_writable:
+            # Small writes gathered for the end-of-iteration flush: nothing
+            # can join them now, and asyncio's write() would have handed
+            # them to the kernel already. Sending them here, not a turn
+            # later, lets the close follow at once (_flush ends in
+            # _maybe_close_raw once the queue is empty).
+            self._flush()
+        else:
+            self._maybe_close_raw()
 
     def abort(self, exc: BaseException | None = None) -> None:
         """Close at once, dropping queued data.

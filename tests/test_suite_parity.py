@@ -10,6 +10,7 @@ Real loopback sockets, real TLS (trustme), on both loops.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
 from typing import Any
 
@@ -102,3 +103,39 @@ async def test_start_tls_refuses_to_check_no_name(
         assert await asyncio.wait_for(reader.read(), WAKE) == b""
     finally:
         await shut(writer, server)
+
+
+# ------------------------------------------------- close() right after a small write
+
+
+@pytest.mark.parametrize("impl", ["asyncio", "slabnet"])
+@pytest.mark.asyncio
+async def test_close_hands_gathered_writes_to_the_kernel_at_once(
+    listener: socket.socket, impl: str
+) -> None:
+    """``write(small); close()``: asyncio's ``write()`` has sent the bytes
+    already; slabnet gathers small writes for one ``sendmsg`` at the end of
+    the loop's turn, and ``close()`` waited for that flush too, so the close
+    (and ``wait_closed()``) came turns later than asyncio's. In CPython
+    3.12's test_streams.py a handler doing ``write(); close(); await
+    wait_closed()`` was then still pending when uvloop's ``Server`` let the
+    loop stop ("Task was destroyed but it is pending!"). ``close()`` now
+    sends what was gathered at once: the peer can read it before the loop
+    runs again, as with asyncio."""
+    loop = asyncio.get_running_loop()
+    module: Any = asyncio if impl == "asyncio" else slabnet
+    async with asyncio.timeout(WAKE):
+        opening = asyncio.ensure_future(module.open_connection(*listener.getsockname()))
+        peer, _ = await loop.sock_accept(listener)
+        reader, writer = await opening
+    try:
+        writer.write(b"last words")
+        writer.close()
+        # No await since the write: the bytes must be in the kernel already.
+        assert peer.recv(64, socket.MSG_DONTWAIT) == b"last words"
+        await asyncio.wait_for(writer.wait_closed(), WAKE)
+        peer.setblocking(False)
+        assert await asyncio.wait_for(loop.sock_recv(peer, 64), WAKE) == b""  # then EOF
+    finally:
+        writer.close()
+        peer.close()
