@@ -521,6 +521,61 @@ async def _keepalive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("scheme", ["http", "https"])
+async def test_cancellation_at_every_await_leaves_the_pool_sound(
+    scheme: str, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    """Requests cancelled after 0..N loop iterations (every await of a
+    request, TLS handshake included, gets a cancellation on some attempt):
+    every later request gets its own answer, whole, and once the client is
+    closed no descriptor is left open."""
+    rounds = 150
+    baseline = open_fds()
+    results: dict[str, tuple[int, int, list[type[Exception]]]] = {}
+    async with asyncio.timeout(4 * WAIT):
+        for backend in BACKENDS:
+            server = await asyncio.start_server(
+                lambda r, w: _keepalive(r, w, 0), "127.0.0.1", 0,
+                ssl=tls_server_context if scheme == "https" else None,
+            )
+            port = server.sockets[0].getsockname()[1]
+            url = f"{scheme}://127.0.0.1:{port}"
+            cancelled = good = 0
+            failed: list[type[Exception]] = []
+            async with client(backend, tls_client_context,
+                              limits=httpx.Limits(max_connections=4)) as c:
+                for i in range(rounds):
+                    size = (i * 7919) % 50_000
+                    task = asyncio.ensure_future(c.get(f"{url}/{size}"))
+                    for _ in range(i % 40):
+                        await asyncio.sleep(0)
+                    task.cancel()
+                    try:
+                        r = await task
+                    except asyncio.CancelledError:
+                        cancelled += 1
+                    else:
+                        assert r.content == _body(b"%d" % size), (backend, i)
+                    # The next request, on whatever the pool kept, is whole.
+                    check = (i * 104729) % 30_000 + 1
+                    try:
+                        r = await c.get(f"{url}/{check}", timeout=httpx.Timeout(WAIT, pool=1.0))
+                    except httpx.TransportError as exc:
+                        failed.append(type(exc))
+                        break
+                    assert r.content == _body(b"%d" % check), (backend, i)
+                    good += 1
+                    assert len(pool(c).connections) <= 4
+            server.close()
+            results[backend] = cancelled, good, failed
+    print(results)
+    assert results["slabnet"][1:] == (rounds, [])
+    assert results["slabnet"][0] > 0
+    await asyncio.sleep(0.1)
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.asyncio
 async def test_wait_for_tiny_timeouts() -> None:
     """``asyncio.wait_for(client.get(...), t)`` with tiny t, many times: the
     pool ends with sound connections, and no descriptor leaks."""
