@@ -344,6 +344,37 @@ async def test_pool_timeout() -> None:
 
 
 @pytest.mark.asyncio
+async def test_connect_timeout() -> None:
+    """A listener whose accept queue is full (backlog 0, never accepting,
+    connections queued): the kernel drops the client's SYN, and the
+    connect timeout fires."""
+    seen = {}
+    with socket.socket() as ls:
+        ls.bind(("127.0.0.1", 0))
+        ls.listen(0)
+        port = ls.getsockname()[1]
+        fill = []
+        try:
+            for _ in range(4):
+                s = socket.socket()
+                s.setblocking(False)
+                fill.append(s)
+                try:
+                    s.connect(("127.0.0.1", port))
+                except BlockingIOError:
+                    pass
+            async with asyncio.timeout(WAIT):
+                await asyncio.sleep(0.05)
+                for backend in BACKENDS:
+                    async with client(backend, timeout=httpx.Timeout(WAIT, connect=0.2)) as c:
+                        seen[backend] = await outcome(c, f"http://127.0.0.1:{port}/")
+        finally:
+            for s in fill:
+                s.close()
+    assert seen["slabnet"] == seen["default"] == httpx.ConnectTimeout
+
+
+@pytest.mark.asyncio
 async def test_read_timeout_mid_body() -> None:
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         await read_head(reader)
@@ -500,6 +531,32 @@ async def test_tls_fatal_alert_mid_response(
     assert seen["default"] in ((ssl.SSLError, 1), (httpx.ReadError, 1))
 
 
+@pytest.mark.asyncio
+async def test_tls_one_byte_per_record(
+    listener: socket.socket, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    """Every byte of two chunked responses in a TLS record and a TCP
+    segment of its own."""
+    body = bytes(range(256))
+    wire = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"%x\r\n" % len(body) + body + b"\r\n0\r\n\r\n")
+
+    async def script(tls: RawTLS, n: int) -> None:
+        tls.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        while True:
+            await tls_head(tls)
+            for i in range(len(wire)):
+                await tls.send(tls.seal(wire[i:i + 1]))
+                await asyncio.sleep(0)
+
+    async def run(c: httpx.AsyncClient, url: str) -> object:
+        return [await outcome(c, url) for _ in range(2)]
+
+    seen = await both_tls(listener, tls_server_context, tls_client_context, script, run)
+    assert seen["slabnet"] == seen["default"] == ([(200, body)] * 2, 1)
+
+
 # ------------------------------------------------------------ cancellation
 
 
@@ -559,7 +616,7 @@ async def test_cancellation_at_every_await_leaves_the_pool_sound(
                     # The next request, on whatever the pool kept, is whole.
                     check = (i * 104729) % 30_000 + 1
                     try:
-                        r = await c.get(f"{url}/{check}", timeout=httpx.Timeout(WAIT, pool=1.0))
+                        r = await c.get(f"{url}/{check}", timeout=httpx.Timeout(WAIT, pool=0.5))
                     except httpx.TransportError as exc:
                         failed.append(type(exc))
                         break
@@ -568,7 +625,6 @@ async def test_cancellation_at_every_await_leaves_the_pool_sound(
                     assert len(pool(c).connections) <= 4
             server.close()
             results[backend] = cancelled, good, failed
-    print(results)
     assert results["slabnet"][1:] == (rounds, [])
     assert results["slabnet"][0] > 0
     await asyncio.sleep(0.1)
@@ -588,7 +644,7 @@ async def test_wait_for_tiny_timeouts() -> None:
             url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
             timed_out = ok = 0
             async with client(backend) as c:
-                for i in range(200):
+                for i in range(120):
                     try:
                         r = await asyncio.wait_for(c.get(f"{url}/{i * 100}"), (i % 20) * 0.0002)
                     except TimeoutError:
