@@ -12,12 +12,11 @@ from __future__ import annotations
 import asyncio
 import socket
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
-import pytest_asyncio
 
 from slabnet.contrib.httpx import AsyncSlabnetTransport
 
@@ -211,8 +210,6 @@ async def test_one_byte_per_segment(framing: str) -> None:
 async def test_header_line_that_never_ends() -> None:
     """h11 bounds an incomplete head (64 KiB): RemoteProtocolError, not a
     read of the whole stream into memory."""
-    sent = {"n": 0}
-
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, n: int) -> None:
         await read_head(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nX-Long: ")
@@ -220,7 +217,6 @@ async def test_header_line_that_never_ends() -> None:
         for _ in range(4096):  # 64 MiB at most
             writer.write(junk)
             await writer.drain()
-            sent["n"] += len(junk)
 
     seen = await both(script, outcome)
     assert seen["slabnet"] == seen["default"] == (httpx.RemoteProtocolError, 1)
