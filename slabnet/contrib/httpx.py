@@ -23,6 +23,7 @@ attempts), ``socket_options``.
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from types import TracebackType
@@ -79,11 +80,30 @@ class _ResponseStream(httpx.AsyncByteStream):
 
     async def aclose(self) -> None:
         aclose = getattr(self._stream, "aclose", None)
-        if aclose is not None:
-            try:
-                await aclose()
-            except Exception as exc:
-                _raise_mapped(exc)
+        if aclose is None:
+            return
+        # httpcore's close hands the connection back to the pool and takes
+        # the request out of it. Its shield against cancellation is anyio's,
+        # which a plain ``task.cancel()`` goes through: cancelled in there
+        # (say the request's task, as its body ends), the request stayed in
+        # the pool and its connection ACTIVE for good, one pool slot lost
+        # per such cancellation, then PoolTimeout. So the close runs in a
+        # task of its own, to its end; a cancellation leaves it running.
+        closing = asyncio.ensure_future(aclose())
+        try:
+            await asyncio.shield(closing)
+        except asyncio.CancelledError:
+            closing.add_done_callback(_retrieve)
+            raise
+        except Exception as exc:
+            _raise_mapped(exc)
+
+
+def _retrieve(task: asyncio.Future[None]) -> None:
+    """Retrieve a close's outcome nobody waits for (its error is the
+    connection's, which is closed either way)."""
+    if not task.cancelled():
+        task.exception()
 
 
 class AsyncSlabnetTransport(httpx.AsyncBaseTransport):
