@@ -211,10 +211,14 @@ class RawTLS:
         out = bytearray()
         while len(out) < n:
             try:
-                out += self.obj.read(n - len(out))
+                piece = self.obj.read(n - len(out))
             except ssl.SSLWantReadError:
                 await self.flush()
                 await self._pull()
+                continue
+            if not piece:  # the peer's close_notify: no more will come
+                raise EOFError(f"RawTLS: close_notify after {len(out)} of {n} bytes")
+            out += piece
         return bytes(out)
 
     async def linger(self, timeout: float = 5.0) -> None:
