@@ -339,6 +339,7 @@ class TLSEngine:
         "_sealed",
         "answers_limit",
         "answers_stopped",
+        "released_plaintext",
         "read_calls",
         "chunks_returned",
         "want_read_errors",
@@ -400,6 +401,10 @@ class TLSEngine:
         # and may stop reading, before the rest of a read is answered.
         self.answers_limit = 0
         self.answers_stopped = False
+        # Plaintext held by a renegotiation and encrypted since (a running
+        # total): its ciphertext comes out with the engine's own output, and
+        # is the app's data, not answers the peer asked for.
+        self.released_plaintext = 0
         # Counters for tests and benchmarks.
         self.read_calls = 0  # SSLObject.read calls
         self.chunks_returned = 0  # non-empty chunks from read_chunk()
@@ -807,6 +812,7 @@ class TLSEngine:
         while blocked and self._state is not _BROKEN:
             if self._ssl_io(_Op.WRITE, blocked[0]) is _AGAIN:
                 return
+            self.released_plaintext += len(blocked[0])
             del blocked[0]
             self._seal_if_full()
         if self._shutdown_after_writes and not blocked:

@@ -71,7 +71,7 @@ from ._errors import (
     TLSTruncatedError,
     untraced,
 )
-from ._tls import TLSEngine
+from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep
 from ._write import WriteRequest
 
@@ -92,6 +92,13 @@ SSL_SHUTDOWN_TIMEOUT: Final = 30.0
 #: uvloop's SSL transports let it). 16 KiB is some 600 requests with no
 #: progress at all on our side: no peer that reads does that.
 ANSWERS_MAX: Final = 16 * 1024
+
+#: What a record adds to its plaintext, at most, with the ciphers OpenSSL
+#: negotiates: 5 bytes of header, then an explicit IV, a MAC or tag and
+#: padding (AES-CBC with HMAC-SHA384: 16 + 48 + up to 16; AEAD: 8 + 16 or
+#: 1 + 16 in TLS 1.3). 128 bounds them all: when plaintext a renegotiation
+#: held is sent, this much per record is not counted as answers.
+RECORD_OVERHEAD_MAX: Final = 128
 
 #: The names get_extra_info answers from the engine, not from the socket.
 _TLS_EXTRA: Final = frozenset(
@@ -189,6 +196,7 @@ class TLSTransport(WriteGate):
         self._lower_paused = False
         self._answers = 0
         self._answers_wait = False
+        self._released = 0  # the engine's released_plaintext, as last sent
         self._plain: list[memoryview] = []  # plaintext for the next flush
         self._plain_bytes = 0
         self._flush_scheduled = False
@@ -668,10 +676,20 @@ class TLSTransport(WriteGate):
         engine, lower = self._engine, self._lower
         assert engine is not None and lower is not None
         pieces = engine.data_to_send_many()
+        released = engine.released_plaintext - self._released
+        self._released = engine.released_plaintext
         if pieces and not lower.is_closing():
             lower.writelines(pieces)
             if self._lower_paused and self._stage is not _Stage.HANDSHAKE:
-                self._answers += sum(map(len, pieces))
+                sent = sum(map(len, pieces))
+                if released:
+                    # The app's writes a renegotiation held, now encrypted:
+                    # not answers. Counted as such they stopped the reads
+                    # (a peer that reads only once it has written, as
+                    # openssl s_server does, then waited for us for good).
+                    records = released // MAX_FRAGMENT + 1
+                    sent = max(0, sent - released - records * RECORD_OVERHEAD_MAX)
+                self._answers += sent
                 if self._answers > ANSWERS_MAX and not self._answers_wait:
                     # The peer asks for answers and reads none of them.
                     self._answers_wait = True

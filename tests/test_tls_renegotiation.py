@@ -121,6 +121,110 @@ async def test_write_request_waits_for_plaintext_held_by_a_renegotiation(
     assert rest.index(b"DURING-RENEGOTIATION\n") < rest.index(b"AFTER\n"), rest[-2000:]
 
 
+# ------------------------------------------------ held writes are not answers
+
+
+@pytest.mark.asyncio
+async def test_writes_a_renegotiation_held_do_not_stop_the_reads(
+    pem_files: dict[str, str],  # noqa: F811
+) -> None:
+    """Plaintext written during a TLS 1.2 renegotiation is encrypted when it
+    ends, and goes out with the engine's own output. The transport counted
+    it as answers the peer had asked for (ANSWERS_MAX): more than 16 KiB of
+    it behind a paused queue stopped the reads until the peer read some.
+    openssl s_server reads its socket only between writes that block, so a
+    server sending to us while we sent to it waited for us, and we for it,
+    for good (found by tests/test_real_peers.py's TLS-in-TLS test under
+    load). The held bytes are the app's data: reading goes on."""
+    port = free_port()
+    proc = subprocess.Popen(
+        ["openssl", "s_server", "-accept", f"127.0.0.1:{port}", "-cert", pem_files["server"],
+         "-naccept", "1", "-tls1_2"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+    )
+    out = bytearray()
+    assert proc.stdout is not None and proc.stdin is not None
+    stdout, stdin = proc.stdout, proc.stdin
+
+    def collect() -> None:  # s_server blocks once its stdout pipe is full
+        while data := stdout.read1(65536):
+            out.extend(data)
+
+    # More than the kernels hold between s_server and a reader that stops
+    # (hex: s_server takes a line that starts with some letters as a command).
+    down = os.urandom(8 * 1024 * 1024).hex().encode()
+    held = os.urandom(4 * 1024 * 1024).hex().encode()  # 8 MiB, far above ANSWERS_MAX
+
+    def feed() -> None:
+        try:
+            stdin.write(down)
+            stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    drain = threading.Thread(target=collect, daemon=True)
+    drain.start()
+    feeder = threading.Thread(target=feed, daemon=True)
+    stopped = False
+    try:
+        ctx = ssl.create_default_context(cafile=pem_files["ca"])
+        loop = asyncio.get_running_loop()
+        # Buffers of our own size on our side (the receive buffer before
+        # connecting: the window's scale is fixed at the handshake), so what
+        # the kernels hold does not depend on the host's autotuning much.
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+        sock.setblocking(False)
+        async with asyncio.timeout(30):  # s_server may take a while to listen
+            while True:
+                try:
+                    await loop.sock_connect(sock, ("127.0.0.1", port))
+                    break
+                except ConnectionRefusedError:
+                    await asyncio.sleep(0.02)
+        reader, writer = await asyncio.wait_for(
+            slabnet.open_connection(sock=sock, ssl=ctx, server_hostname="localhost"), WAKE
+        )
+        engine = writer.transport._engine
+        fd = sock.fileno()
+        stdin.write(b"r\n")  # s_server: renegotiate (a command must come alone)
+        stdin.flush()
+        block_until_records(fd, lambda recs: any(r[0] == 22 for r in recs))  # HelloRequest
+        os.kill(proc.pid, signal.SIGSTOP)  # it cannot finish the handshake yet
+        stopped = True
+        async with asyncio.timeout(WAKE):
+            while unread(fd):  # the engine reads the HelloRequest, renegotiates
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+        writer.write(held)
+        await asyncio.sleep(0.05)  # the end-of-iteration flush ran
+        assert engine.held_plaintext == len(held)
+        feeder.start()  # s_server will send `down` as soon as it runs
+        os.kill(proc.pid, signal.SIGCONT)
+        stopped = False
+        assert await asyncio.wait_for(reader.readexactly(len(down)), 30) == down
+        await asyncio.wait_for(writer.drain(), WAKE)
+        assert engine.held_plaintext == 0
+        async with asyncio.timeout(WAKE):
+            while held[-64:] not in out[-4096:]:
+                await asyncio.sleep(0.02)
+        writer.close()
+        await asyncio.wait_for(writer.wait_closed(), WAKE)
+    finally:
+        if stopped:
+            os.kill(proc.pid, signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        drain.join(10)
+        feeder.join(10) if feeder.is_alive() else None
+        stdin.close()
+        stdout.close()
+    text = bytes(out).replace(b"SSL_do_handshake -> 1\n", b"")
+    assert held in text
+
+
 # ------------------------------------------------ renegotiation requests nobody reads
 
 
