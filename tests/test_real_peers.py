@@ -192,9 +192,13 @@ async def in_thread(fn: Any, *args: Any) -> Any:
         try:
             result = fn(*args)
         except BaseException as exc:  # handed to the awaiting test
-            loop.call_soon_threadsafe(settle, None, exc)
+            outcome: tuple[Any, BaseException | None] = (None, exc)
         else:
-            loop.call_soon_threadsafe(settle, result, None)
+            outcome = (result, None)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: its test is over, failed
+            pass
 
     threading.Thread(target=run, daemon=True).start()
     return await asyncio.wait_for(done, WAKE)
