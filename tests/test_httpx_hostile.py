@@ -21,21 +21,11 @@ import pytest
 from slabnet.contrib.httpx import AsyncSlabnetTransport
 
 from conftest import RawTLS, fds_settle, hard_close, open_fds
+from test_httpx import WAIT, client
 
 BACKENDS = ("slabnet", "default")
-WAIT = 10.0
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter, int], Awaitable[None]]
-
-
-def client(backend: str, verify: ssl.SSLContext | bool = True, **kwds: Any) -> httpx.AsyncClient:
-    timeout = kwds.pop("timeout", httpx.Timeout(WAIT))
-    transport: httpx.AsyncBaseTransport
-    if backend == "slabnet":
-        transport = AsyncSlabnetTransport(verify=verify, **kwds)
-    else:
-        transport = httpx.AsyncHTTPTransport(verify=verify, **kwds)
-    return httpx.AsyncClient(transport=transport, timeout=timeout)
 
 
 def pool(c: httpx.AsyncClient) -> Any:

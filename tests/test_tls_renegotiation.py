@@ -36,30 +36,78 @@ def unread(fd: int) -> int:
     return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
 
 
+class SServer:
+    """``openssl s_server -tls1_2`` for one connection, its stdout collected
+    in ``out`` by a thread (it blocks once its stdout pipe is full), and
+    SIGSTOP/SIGCONT that the exit undoes before it kills the process."""
+
+    def __init__(self, port: int, pem_files: dict[str, str]) -> None:
+        self.proc = subprocess.Popen(
+            ["openssl", "s_server", "-accept", f"127.0.0.1:{port}", "-cert", pem_files["server"],
+             "-naccept", "1", "-tls1_2"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )
+        assert self.proc.stdout is not None and self.proc.stdin is not None
+        self.stdin, self.stdout = self.proc.stdin, self.proc.stdout
+        self.out = bytearray()
+        self.stopped = False
+        self.threads = [threading.Thread(target=self._collect, daemon=True)]
+        self.threads[0].start()
+
+    def _collect(self) -> None:
+        while data := self.stdout.read1(65536):
+            self.out.extend(data)
+
+    def command(self, line: bytes) -> None:
+        self.stdin.write(line)  # a command must come alone on its line
+        self.stdin.flush()
+
+    def feed(self, data: bytes) -> None:
+        """Write ``data`` to its stdin from a thread (it sends it on)."""
+
+        def run() -> None:
+            try:
+                self.command(data)
+            except (BrokenPipeError, ValueError):
+                pass
+
+        self.threads.append(threading.Thread(target=run, daemon=True))
+        self.threads[-1].start()
+
+    def stop(self) -> None:
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self.stopped = True
+
+    def cont(self) -> None:
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self.stopped = False
+
+    def text(self) -> bytes:
+        """What it received, without its status line about the
+        renegotiation (which can land anywhere in the data)."""
+        return bytes(self.out).replace(b"SSL_do_handshake -> 1\n", b"")
+
+    def __enter__(self) -> "SServer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.stopped:
+            self.cont()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+        for thread in self.threads:
+            thread.join(10)
+        self.stdin.close()
+        self.stdout.close()
+
+
 @pytest.mark.asyncio
 async def test_write_request_waits_for_plaintext_held_by_a_renegotiation(
     pem_files: dict[str, str],  # noqa: F811
 ) -> None:
     port = free_port()
-    proc = subprocess.Popen(
-        ["openssl", "s_server", "-accept", f"127.0.0.1:{port}", "-cert", pem_files["server"],
-         "-naccept", "1", "-tls1_2"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )
-    out = bytearray()
-    assert proc.stdout is not None and proc.stdin is not None
-    stdout = proc.stdout
-
-    def collect() -> None:  # s_server blocks once its stdout pipe is full
-        while data := stdout.read1(65536):
-            out.extend(data)
-
-    drain = threading.Thread(target=collect)
-    drain.start()
-    stopped = False
-    try:
-        import ssl
-
+    with SServer(port, pem_files) as srv:
         ctx = ssl.create_default_context(cafile=pem_files["ca"])
         reader, writer = await connect_retry(port, ssl=ctx, server_hostname="localhost")
         engine = writer.transport._engine
@@ -68,14 +116,12 @@ async def test_write_request_waits_for_plaintext_held_by_a_renegotiation(
         # A send buffer of our own size: the backlog below does not depend on
         # the host's autotuning.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
-        proc.stdin.write(b"r\n")  # s_server: renegotiate (a command must come alone)
-        proc.stdin.flush()
+        srv.command(b"r\n")  # s_server: renegotiate
         block_until_records(fd, lambda recs: any(r[0] == 22 for r in recs))  # HelloRequest
         # The server stops before it can read anything more: what we send
         # from now on stays in the kernels (a window that cannot grow while
         # nobody reads) or in our queue.
-        os.kill(proc.pid, signal.SIGSTOP)
-        stopped = True
+        srv.stop()
         bulk = os.urandom(4 * 1024 * 1024).hex().encode()[: 8 * 1024 * 1024]
         writer.write(bulk)  # encrypted at once (64 KiB and more): it queues
         assert writer.transport.get_write_buffer_size() > 0
@@ -89,8 +135,7 @@ async def test_write_request_waits_for_plaintext_held_by_a_renegotiation(
         assert req is not None  # the socket is backed up: it has to wait
         await asyncio.sleep(0.05)  # the end-of-iteration flush ran: the engine holds it
         assert engine.held_plaintext == len(b"DURING-RENEGOTIATION\n")
-        os.kill(proc.pid, signal.SIGCONT)
-        stopped = False
+        srv.cont()
         async with asyncio.timeout(30):
             await req
         # Done means encrypted and handed to the kernel: nothing held back.
@@ -99,22 +144,11 @@ async def test_write_request_waits_for_plaintext_held_by_a_renegotiation(
         writer.write(b"AFTER\n")
         await writer.drain()
         async with asyncio.timeout(30):
-            while b"AFTER\n" not in out[-64:]:
+            while b"AFTER\n" not in srv.out[-64:]:
                 await asyncio.sleep(0.02)
         writer.close()
         await writer.wait_closed()
-    finally:
-        if stopped:
-            os.kill(proc.pid, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        drain.join(10)
-        proc.stdin.close()
-        proc.stdout.close()
-    # s_server prints what it received, with its own status lines; the one
-    # about the renegotiation it started can land anywhere in the bulk.
-    text = bytes(out).replace(b"SSL_do_handshake -> 1\n", b"")
+    text = srv.text()
     at = text.index(bulk[:4096])
     assert text[at : at + len(bulk)] == bulk
     rest = text[at + len(bulk) :]
@@ -137,62 +171,36 @@ async def test_writes_a_renegotiation_held_do_not_stop_the_reads(
     for good (found by tests/test_real_peers.py's TLS-in-TLS test under
     load). The held bytes are the app's data: reading goes on."""
     port = free_port()
-    proc = subprocess.Popen(
-        ["openssl", "s_server", "-accept", f"127.0.0.1:{port}", "-cert", pem_files["server"],
-         "-naccept", "1", "-tls1_2"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-    )
-    out = bytearray()
-    assert proc.stdout is not None and proc.stdin is not None
-    stdout, stdin = proc.stdout, proc.stdin
-
-    def collect() -> None:  # s_server blocks once its stdout pipe is full
-        while data := stdout.read1(65536):
-            out.extend(data)
-
     # More than the kernels hold between s_server and a reader that stops
     # (hex: s_server takes a line that starts with some letters as a command).
     down = os.urandom(8 * 1024 * 1024).hex().encode()
     held = os.urandom(4 * 1024 * 1024).hex().encode()  # 8 MiB, far above ANSWERS_MAX
-
-    def feed() -> None:
-        try:
-            stdin.write(down)
-            stdin.flush()
-        except (BrokenPipeError, ValueError):
-            pass
-
-    drain = threading.Thread(target=collect, daemon=True)
-    drain.start()
-    feeder = threading.Thread(target=feed, daemon=True)
-    stopped = False
-    try:
+    with SServer(port, pem_files) as srv:
         ctx = ssl.create_default_context(cafile=pem_files["ca"])
         loop = asyncio.get_running_loop()
         # Buffers of our own size on our side (the receive buffer before
         # connecting: the window's scale is fixed at the handshake), so what
         # the kernels hold does not depend on the host's autotuning much.
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
-        sock.setblocking(False)
         async with asyncio.timeout(30):  # s_server may take a while to listen
             while True:
+                sock = socket.socket()  # a new one each time: a refused one is done
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+                sock.setblocking(False)
                 try:
                     await loop.sock_connect(sock, ("127.0.0.1", port))
                     break
                 except ConnectionRefusedError:
+                    sock.close()
                     await asyncio.sleep(0.02)
         reader, writer = await asyncio.wait_for(
             slabnet.open_connection(sock=sock, ssl=ctx, server_hostname="localhost"), WAKE
         )
         engine = writer.transport._engine
         fd = sock.fileno()
-        stdin.write(b"r\n")  # s_server: renegotiate (a command must come alone)
-        stdin.flush()
+        srv.command(b"r\n")  # s_server: renegotiate
         block_until_records(fd, lambda recs: any(r[0] == 22 for r in recs))  # HelloRequest
-        os.kill(proc.pid, signal.SIGSTOP)  # it cannot finish the handshake yet
-        stopped = True
+        srv.stop()  # it cannot finish the handshake yet
         async with asyncio.timeout(WAKE):
             while unread(fd):  # the engine reads the HelloRequest, renegotiates
                 await asyncio.sleep(0.01)
@@ -200,29 +208,17 @@ async def test_writes_a_renegotiation_held_do_not_stop_the_reads(
         writer.write(held)
         await asyncio.sleep(0.05)  # the end-of-iteration flush ran
         assert engine.held_plaintext == len(held)
-        feeder.start()  # s_server will send `down` as soon as it runs
-        os.kill(proc.pid, signal.SIGCONT)
-        stopped = False
+        srv.feed(down)  # s_server will send `down` as soon as it runs
+        srv.cont()
         assert await asyncio.wait_for(reader.readexactly(len(down)), 30) == down
         await asyncio.wait_for(writer.drain(), WAKE)
         assert engine.held_plaintext == 0
         async with asyncio.timeout(WAKE):
-            while held[-64:] not in out[-4096:]:
+            while held[-64:] not in srv.out[-4096:]:
                 await asyncio.sleep(0.02)
         writer.close()
         await asyncio.wait_for(writer.wait_closed(), WAKE)
-    finally:
-        if stopped:
-            os.kill(proc.pid, signal.SIGCONT)
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        drain.join(10)
-        feeder.join(10) if feeder.is_alive() else None
-        stdin.close()
-        stdout.close()
-    text = bytes(out).replace(b"SSL_do_handshake -> 1\n", b"")
-    assert held in text
+    assert held in srv.text()
 
 
 # ------------------------------------------------ renegotiation requests nobody reads
