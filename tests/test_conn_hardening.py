@@ -714,3 +714,37 @@ async def test_plaintext_openssl_holds_when_paused_is_delivered(
     finally:
         app.transport.abort()
         await asyncio.wait_for(task, WAKE + 5)
+
+
+@pytest.mark.parametrize("record", [1024, 16384])
+@pytest.mark.asyncio
+async def test_a_ragged_eof_behind_a_paused_reader_keeps_every_byte(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, record: int
+) -> None:
+    # The peer's records and its FIN without close_notify all arrive while
+    # the reader is paused (limit=1024: paused after its first chunk). Every
+    # byte must come out before EOF.
+    payload = os.urandom(64 * 1024)
+    sent = asyncio.Event()
+
+    async def peer() -> None:
+        tls = RawTLS(await accept(listener), server_ctx(server_cert), server_side=True)
+        await tls.handshake()
+        await tls.send(tls.seal(*(payload[i : i + record] for i in range(0, len(payload), record))))
+        tls.sock.shutdown(socket.SHUT_WR)
+        sent.set()
+        await tls.linger()
+
+    task = asyncio.create_task(peer())
+    reader, writer = await slabnet.open_connection(
+        "127.0.0.1", listener.getsockname()[1], ssl=client_ctx(tls_ca),
+        server_hostname="localhost", limit=1024,
+    )
+    await asyncio.wait_for(sent.wait(), WAKE)
+    async with asyncio.timeout(WAKE):  # the loop reads until the reader pauses
+        while writer.transport.is_reading():
+            await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)  # and the FIN lands behind it
+    assert await asyncio.wait_for(reader.read(), WAKE) == payload
+    writer.close()
+    await asyncio.wait_for(task, WAKE + 5)
