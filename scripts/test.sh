@@ -4,7 +4,7 @@
 # the core, write-path, TLS engine, plugin and soak tests again on Python 3.12
 # and the whole suite on 3.13, where found on the machine (each in its own
 # .venv-3.X). As root, it first installs the Debian packages of the real
-# TLS peers (scripts/_peers.sh). Every test runs under a time limit
+# peers (scripts/_peers.sh). Every test runs under a time limit
 # (pytest-timeout, from the test extra; pyproject.toml).
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/_peers.sh"

@@ -14,11 +14,19 @@ an ``httpx.Response`` whose stream maps errors while it is read, and every
 httpcore exception becomes the httpx exception of the same name, with the
 same message, raised from it.
 
-HTTP/1.1 only (keep-alive and streamed bodies); no proxies. The pool
-options are httpx's: ``verify`` (an ``ssl.SSLContext``, or True/False),
-``limits``, ``trust_env`` (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when
-``verify`` is True), ``uds``, ``local_address``, ``retries`` (connection
-attempts), ``socket_options``.
+HTTP/1.1 only (keep-alive and streamed bodies). The pool options are
+httpx's: ``verify`` (an ``ssl.SSLContext``, or True/False), ``limits``,
+``trust_env`` (``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` when ``verify`` is
+True), ``uds``, ``local_address``, ``retries`` (connection attempts),
+``socket_options``, and ``proxy``: an ``http://`` or ``https://`` proxy (a
+URL, or an ``httpx.Proxy`` with its auth, headers and TLS context). Plain
+``http://`` requests go to the proxy in absolute form; ``https://`` ones
+through a CONNECT tunnel, their TLS started on slabnet's connection (TLS
+inside TLS through an ``https://`` proxy). A transport passed to
+``httpx.AsyncClient(transport=...)`` is used as it is, so the client does
+not read proxies from the environment for it (``HTTPS_PROXY``...): pass
+``proxy=`` here, or mount transports per URL pattern (``mounts=``).
+SOCKS proxies are not supported.
 """
 
 from __future__ import annotations
@@ -119,9 +127,10 @@ class AsyncSlabnetTransport(httpx.AsyncBaseTransport):
         local_address: str | None = None,
         retries: int = 0,
         socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
+        proxy: httpx.Proxy | httpx.URL | str | None = None,
         backend: SlabnetBackend | None = None,
     ) -> None:
-        self._pool = httpcore.AsyncConnectionPool(
+        options = dict(
             ssl_context=httpx.create_ssl_context(verify=verify, trust_env=trust_env),
             max_connections=limits.max_connections,
             max_keepalive_connections=limits.max_keepalive_connections,
@@ -133,6 +142,26 @@ class AsyncSlabnetTransport(httpx.AsyncBaseTransport):
             retries=retries,
             socket_options=socket_options,
             network_backend=backend or SlabnetBackend(),
+        )
+        if proxy is None:
+            self._pool = httpcore.AsyncConnectionPool(**options)  # type: ignore[arg-type]
+            return
+        if not isinstance(proxy, httpx.Proxy):
+            proxy = httpx.Proxy(url=proxy)
+        url = proxy.url
+        if url.scheme not in ("http", "https"):
+            raise ValueError(
+                f"AsyncSlabnetTransport takes http:// and https:// proxies, "
+                f"not {url.scheme}:// ({url})"
+            )
+        self._pool = httpcore.AsyncHTTPProxy(
+            proxy_url=httpcore.URL(
+                scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
+            ),
+            proxy_auth=proxy.raw_auth,
+            proxy_headers=proxy.headers.raw,
+            proxy_ssl_context=proxy.ssl_context,
+            **options,  # type: ignore[arg-type]
         )
 
     @property

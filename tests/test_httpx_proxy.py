@@ -1,0 +1,196 @@
+"""``AsyncSlabnetTransport(proxy=...)`` through real proxies: tinyproxy
+(Debian package tinyproxy), and stunnel in front of it for an ``https://``
+proxy. Every request runs on slabnet's transport and on httpx's default one
+with the same proxy, and the two must agree: status, body bytes, and the
+exception class where there is one.
+
+``scripts/test.sh`` installs tinyproxy and stunnel4 when run as root with
+apt-get; elsewhere these tests skip, naming the package.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import pytest_asyncio
+
+import slabnet
+from slabnet.contrib.httpx import AsyncSlabnetTransport
+
+from test_httpx import BACKENDS, WAIT, _HTTPServer, client, https_server, payload  # noqa: F401
+from test_real_peers import STUNNEL, Peers, needs, peers, stunnel_config, wait_listening  # noqa: F401
+from test_tls_streams import free_port, pem_files  # noqa: F401 (a fixture)
+
+TINYPROXY = needs("tinyproxy", "tinyproxy")
+SIZES = (5, 1 << 20, 8 << 20)
+AUTH = ("user", "secret")
+
+
+def tinyproxy(peers: Peers, *, auth: bool = False) -> int:
+    """Start tinyproxy on a free port (CONNECT allowed to every port, as it
+    is when the config names none); return the port."""
+    port = free_port()
+    conf = peers.tmp / f"tinyproxy-{port}.conf"
+    conf.write_text(
+        f"Port {port}\nListen 127.0.0.1\nTimeout 30\nMaxClients 100\n"
+        f"Allow 127.0.0.1\nLogLevel Error\nLogFile \"{peers.tmp}/tinyproxy-{port}.log\"\n"
+        + (f"BasicAuth {AUTH[0]} {AUTH[1]}\n" if auth else "")
+    )
+    peers.start("tinyproxy", "-d", "-c", str(conf))
+    return port
+
+
+@pytest_asyncio.fixture
+async def http_server() -> AsyncIterator[_HTTPServer]:
+    srv = _HTTPServer()
+    srv.server = await slabnet.start_server(srv.handle, "127.0.0.1", 0)
+    try:
+        yield srv
+    finally:
+        await srv.aclose()
+
+
+async def fetch_all(backend: str, proxy: Any, ctx: ssl.SSLContext, base: str) -> list[tuple[int, bytes]]:
+    """GET each of SIZES through ``proxy``: on one client to an https://
+    origin (the tunnel is kept alive), on a client each to an http:// one.
+    tinyproxy closes a connection after each request it forwards without
+    saying so (no ``Connection: close``), and a request sent on it before
+    that close arrives fails, whoever's transport sends it."""
+    out = []
+    one = client(backend, verify=ctx, proxy=proxy) if base.startswith("https:") else None
+    try:
+        async with asyncio.timeout(WAIT * 3):
+            for n in SIZES:
+                c = one or client(backend, verify=ctx, proxy=proxy)
+                try:
+                    response = await c.get(f"{base}/bytes/{n}")
+                finally:
+                    if one is None:
+                        await c.aclose()
+                out.append((response.status_code, response.content))
+    finally:
+        if one is not None:
+            await one.aclose()
+    return out
+
+
+def expected() -> list[tuple[int, bytes]]:
+    return [(200, payload(n)) for n in SIZES]
+
+
+@TINYPROXY
+@pytest.mark.parametrize("origin", ["http", "https"])
+@pytest.mark.asyncio
+async def test_through_an_http_proxy_as_the_default_transport(
+    peers: Peers, http_server: _HTTPServer, https_server: _HTTPServer,  # noqa: F811
+    tls_client_context: ssl.SSLContext, origin: str,
+) -> None:
+    # http://: each request goes to the proxy in absolute form; https://: a
+    # CONNECT tunnel, kept alive, with the origin's TLS started inside it.
+    port = tinyproxy(peers)
+    await wait_listening(port)
+    srv = http_server if origin == "http" else https_server
+    for backend in BACKENDS:
+        accepted = srv.accepted
+        proxy = f"http://127.0.0.1:{port}"
+        base = f"{origin}://127.0.0.1:{srv.port}"
+        assert await fetch_all(backend, proxy, tls_client_context, base) == expected(), backend
+        if origin == "https":
+            assert srv.accepted - accepted == 1, backend  # one tunnel for all three
+
+
+@TINYPROXY
+@STUNNEL
+@pytest.mark.parametrize("origin", ["http", "https"])
+@pytest.mark.asyncio
+async def test_through_an_https_proxy_as_the_default_transport(
+    peers: Peers, http_server: _HTTPServer, https_server: _HTTPServer,  # noqa: F811
+    tls_client_context: ssl.SSLContext, pem_files: dict[str, str], origin: str,  # noqa: F811
+) -> None:
+    # stunnel takes TLS from the client and hands the plain bytes to
+    # tinyproxy: an https:// proxy. To an https:// origin that is TLS inside
+    # TLS on slabnet's connection.
+    back = tinyproxy(peers)
+    front = free_port()
+    peers.start("stunnel", stunnel_config(peers.tmp, front, back, pem_files["server"]))
+    await wait_listening(back)
+    await wait_listening(front)
+    srv = http_server if origin == "http" else https_server
+    proxy = httpx.Proxy(f"https://localhost:{front}", ssl_context=tls_client_context)
+    for backend in BACKENDS:
+        base = f"{origin}://127.0.0.1:{srv.port}"
+        assert await fetch_all(backend, proxy, tls_client_context, base) == expected(), backend
+
+
+@TINYPROXY
+@pytest.mark.parametrize("origin", ["http", "https"])
+@pytest.mark.asyncio
+async def test_proxy_credentials_as_the_default_transport(
+    peers: Peers, http_server: _HTTPServer, https_server: _HTTPServer,  # noqa: F811
+    tls_client_context: ssl.SSLContext, origin: str,
+) -> None:
+    # Right credentials (httpx.Proxy's auth, or in the URL): the body. Wrong
+    # ones, or none: tinyproxy's 401 or 407, a response for an http:// URL,
+    # and for an https:// one a refused CONNECT, which is httpx.ProxyError.
+    port = tinyproxy(peers, auth=True)
+    await wait_listening(port)
+    srv = http_server if origin == "http" else https_server
+    url = f"{origin}://127.0.0.1:{srv.port}/bytes/100"
+    outcomes: dict[str, list[Any]] = {}
+    for backend in BACKENDS:
+        got: list[Any] = []
+        for proxy in (
+            httpx.Proxy(f"http://127.0.0.1:{port}", auth=AUTH),
+            f"http://{AUTH[0]}:{AUTH[1]}@127.0.0.1:{port}",
+            httpx.Proxy(f"http://127.0.0.1:{port}", auth=(AUTH[0], "wrong")),
+            f"http://127.0.0.1:{port}",
+        ):
+            async with client(backend, verify=tls_client_context, proxy=proxy) as c:
+                try:
+                    async with asyncio.timeout(WAIT):
+                        response = await c.get(url)
+                    got.append((response.status_code, response.content == payload(100)))
+                except httpx.HTTPError as exc:
+                    got.append(type(exc))
+        outcomes[backend] = got
+    assert outcomes["slabnet"] == outcomes["default"]
+    assert outcomes["slabnet"][:2] == [(200, True), (200, True)]
+    for refused in outcomes["slabnet"][2:]:  # tinyproxy: 401 for wrong ones, 407 for none
+        assert refused in ((401, False), (407, False)) if origin == "http" else refused is httpx.ProxyError
+
+
+@TINYPROXY
+@pytest.mark.asyncio
+async def test_tunnel_to_a_closed_port_is_a_proxy_error(
+    peers: Peers, tls_client_context: ssl.SSLContext
+) -> None:
+    port = tinyproxy(peers)
+    await wait_listening(port)
+    for backend in BACKENDS:
+        async with client(backend, verify=tls_client_context, proxy=f"http://127.0.0.1:{port}") as c:
+            with pytest.raises(httpx.ProxyError):
+                async with asyncio.timeout(WAIT):
+                    await c.get(f"https://127.0.0.1:{free_port()}/")
+
+
+@pytest.mark.asyncio
+async def test_no_proxy_listening_is_a_connect_error(tls_client_context: ssl.SSLContext) -> None:
+    port = free_port()
+    for backend in BACKENDS:
+        async with client(backend, verify=tls_client_context, proxy=f"http://127.0.0.1:{port}") as c:
+            with pytest.raises(httpx.ConnectError):
+                async with asyncio.timeout(WAIT):
+                    await c.get("https://127.0.0.1:1/")
+
+
+def test_socks_and_unknown_proxies_are_refused() -> None:
+    with pytest.raises(ValueError, match="http:// and https:// proxies, not socks5://"):
+        AsyncSlabnetTransport(proxy="socks5://127.0.0.1:1080")
+    with pytest.raises(ValueError):  # httpx.Proxy's own refusal
+        AsyncSlabnetTransport(proxy="ftp://127.0.0.1:21")
