@@ -72,7 +72,9 @@ from ._errors import (
     untraced,
 )
 from ._tls import MAX_FRAGMENT, TLSEngine
-from ._transport import CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep
+from ._transport import (
+    CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep, chunk_deliverer,
+)
 from ._write import WriteRequest
 
 __all__ = ["TLSTransport"]
@@ -160,8 +162,7 @@ class TLSTransport(WriteGate):
         upgrade: bool = False,
         app_paused: bool = False,
     ) -> None:
-        super().__init__()
-        self._loop = loop
+        super().__init__(loop=loop)  # (sets _loop)
         self._app: Any
         self._deliver: Any
         self.set_protocol(app)
@@ -209,7 +210,7 @@ class TLSTransport(WriteGate):
             # STARTTLS on a plain connection whose writing is paused: the app
             # has had pause_writing and waits for its resume, which is ours
             # to give now, once the plain connection resumes.
-            self._writing_paused = True
+            self._protocol_paused = True
 
     # ------------------------------------------------ lifecycle gate
 
@@ -373,9 +374,9 @@ class TLSTransport(WriteGate):
         return app
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
-        deliver = getattr(protocol, "chunk_received", None)
-        if deliver is None:
-            raise TypeError(f"{protocol!r} has no chunk_received(): not a ChunkProtocol")
+        # Any protocol, as the loop's transports take (loop.sendfile()'s
+        # fallback sets its own asyncio Protocol for the time of the send).
+        deliver, _ = chunk_deliverer(protocol)
         self._app = protocol
         self._deliver = deliver
 
@@ -696,7 +697,7 @@ class TLSTransport(WriteGate):
                     lower.pause_reading()
         if self._held and not engine.held_plaintext:
             self._track([])
-        if self._writing_paused:
+        if self._protocol_paused:
             self._check_pause()  # held plaintext may have been encrypted
 
     def _fail_writes(self, exc: BaseException) -> None:

@@ -1,0 +1,351 @@
+"""slabnet's transports against the loop's own: ``loop.sendfile()`` on
+them, and the rest of the asyncio transport interface, method by method.
+
+Every scenario runs twice on the same loop, once over asyncio's streams and
+once over slabnet's, and the two outcomes are compared. Every test runs on
+the asyncio loop and on uvloop (``slabnet_loops``), on loopback sockets,
+plain and over TLS, and bounds each wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import socket
+import struct
+import tempfile
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+import slabnet
+from conftest import client_ctx, server_ctx
+
+WAKE = 10.0  # seconds any waiter may take
+LIBS = (asyncio, slabnet)
+TLS = pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+
+Pair = tuple[Any, Any, Any, Any]  # (reader, writer, peer reader, peer writer)
+
+
+def uvloop_running() -> bool:
+    return not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop)
+
+
+@contextlib.asynccontextmanager
+async def stream_pair(lib: Any, tls: bool, tls_ca: Any, server_cert: Any) -> AsyncIterator[Pair]:
+    """A connection made with ``lib``'s streams (asyncio or slabnet) at both
+    ends: the client's reader and writer, then the server's."""
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Future[tuple[Any, Any]] = loop.create_future()
+
+    async def handle(r: Any, w: Any) -> None:
+        accepted.set_result((r, w))
+
+    server = await lib.start_server(
+        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
+    )
+    writers: list[Any] = []
+    try:
+        port = server.sockets[0].getsockname()[1]
+        async with asyncio.timeout(WAKE):
+            r, w = await lib.open_connection(
+                "127.0.0.1", port, ssl=client_ctx(tls_ca) if tls else None,
+                server_hostname="localhost" if tls else None,
+            )
+            writers.append(w)
+            pr, pw = await accepted
+            writers.append(pw)
+        yield r, w, pr, pw
+    finally:
+        for wr in writers:
+            wr.transport.abort()
+        server.close()
+        async with asyncio.timeout(WAKE):
+            await server.wait_closed()
+
+
+def a_file(data: bytes) -> Any:
+    f = tempfile.TemporaryFile()
+    f.write(data)
+    f.seek(0)
+    return f
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+async def read_n(reader: Any, n: int) -> bytes:
+    """``n`` bytes, read in pieces (a 64 MiB readexactly would hold twice that)."""
+    h = hashlib.sha256()
+    left = n
+    while left:
+        piece = await reader.read(min(left, 1 << 20))
+        assert piece, f"EOF with {left} of {n} bytes unread"
+        h.update(piece)
+        left -= len(piece)
+    return h.hexdigest().encode()
+
+
+async def stream_still_works(r: Any, w: Any, pr: Any, pw: Any) -> None:
+    """Both directions carry bytes after the sendfile."""
+    w.write(b"after")
+    await w.drain()
+    assert await pr.readexactly(5) == b"after"
+    pw.write(b"reply")
+    await pw.drain()
+    assert await r.readexactly(5) == b"reply"
+
+
+async def write_until_paused(w: Any) -> bytes:
+    """Write until the writer is paused (its drain() waits); what was written."""
+    written = bytearray()
+    for _ in range(256):
+        piece = os.urandom(256 * 1024)
+        w.write(piece)
+        written += piece
+        drained = asyncio.ensure_future(w.drain())
+        await asyncio.sleep(0.01)  # (if it is not paused yet, more is written)
+        if not drained.done():
+            drained.cancel()
+            return bytes(written)
+        await drained
+    raise AssertionError("64 MiB written to a peer that reads nothing, never paused")
+
+
+# ---------------------------------------------------------------- sendfile
+
+
+async def uvloop_refuses(tls: bool, tls_ca: Any, server_cert: Any) -> None:
+    """uvloop's sendfile is asyncio's abstract one: NotImplementedError for
+    every transport, its own and slabnet's alike; the stream carries on."""
+    loop = asyncio.get_running_loop()
+    for lib in LIBS:
+        async with stream_pair(lib, tls, tls_ca, server_cert) as (r, w, pr, pw):
+            with a_file(b"x" * 1000) as f, pytest.raises(NotImplementedError):
+                await loop.sendfile(w.transport, f)
+            async with asyncio.timeout(WAKE):
+                await stream_still_works(r, w, pr, pw)
+
+
+@pytest.mark.asyncio
+@TLS
+@pytest.mark.parametrize("size", [0, 1, 64 << 20], ids=["0B", "1B", "64MiB"])
+async def test_sendfile_sends_every_byte(tls: bool, size: int, tls_ca: Any, server_cert: Any) -> None:
+    # slabnet's transports said RuntimeError("sendfile is not supported for
+    # transport ...") where asyncio's send the file by its fallback.
+    loop = asyncio.get_running_loop()
+    data = os.urandom(size)
+    outcomes = []
+    for lib in LIBS:
+        async with stream_pair(lib, tls, tls_ca, server_cert) as (r, w, pr, pw):
+            with a_file(data) as f:
+                if uvloop_running():
+                    # uvloop's sendfile is asyncio's abstract one, for
+                    # every transport (its own too).
+                    with pytest.raises(NotImplementedError):
+                        await loop.sendfile(w.transport, f)
+                    outcomes.append("NotImplementedError")
+                    await stream_still_works(r, w, pr, pw)
+                    continue
+                async with asyncio.timeout(60):
+                    got = asyncio.ensure_future(read_n(pr, size))
+                    sent = await loop.sendfile(w.transport, f)
+                    assert await got == sha(data).encode()
+                assert sent == size
+                assert f.tell() == size
+                outcomes.append(sent)
+                async with asyncio.timeout(WAKE):
+                    await stream_still_works(r, w, pr, pw)
+    assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.asyncio
+@TLS
+@pytest.mark.parametrize(
+    "offset,count", [(1234, 50_000), (1000, 1 << 20), (0, 1), (99_999, None), (100_000, None)],
+    ids=["middle", "count-past-end", "one", "last-byte", "at-end"],
+)
+async def test_sendfile_offset_count(
+    tls: bool, offset: int, count: int | None, tls_ca: Any, server_cert: Any
+) -> None:
+    if uvloop_running():
+        return await uvloop_refuses(tls, tls_ca, server_cert)
+    loop = asyncio.get_running_loop()
+    data = os.urandom(100_000)
+    want = data[offset:] if count is None else data[offset:offset + count]
+    outcomes = []
+    for lib in LIBS:
+        async with stream_pair(lib, tls, tls_ca, server_cert) as (r, w, pr, pw):
+            with a_file(data) as f:
+                async with asyncio.timeout(WAKE):
+                    sent = await loop.sendfile(w.transport, f, offset, count)
+                    assert sent == len(want)
+                    got = await pr.readexactly(len(want)) if want else b""
+                    assert got == want
+                    await stream_still_works(r, w, pr, pw)
+                # (With nothing sent the position is asyncio's to leave:
+                # its native path leaves it where it was, its fallback at
+                # ``offset``.)
+                outcomes.append((sent, f.tell() if want else None))
+    assert outcomes[0] == outcomes[1] == (len(want), offset + len(want) if want else None)
+
+
+@pytest.mark.asyncio
+@TLS
+async def test_sendfile_keeps_reads_that_arrive_meanwhile(
+    tls: bool, tls_ca: Any, server_cert: Any
+) -> None:
+    # The fallback pauses reading and swaps in its own protocol: what the
+    # peer sends during the sendfile must reach the stream's reader after.
+    if uvloop_running():
+        return await uvloop_refuses(tls, tls_ca, server_cert)
+    loop = asyncio.get_running_loop()
+    data = os.urandom(4 << 20)
+    extra = os.urandom(300_000)  # more than a read made while paused holds
+    for lib in LIBS:
+        async with stream_pair(lib, tls, tls_ca, server_cert) as (r, w, pr, pw):
+
+            async def peer() -> bytes:
+                first = await pr.readexactly(1)  # the sendfile has begun
+                pw.write(extra)
+                if not tls:
+                    pw.write_eof()
+                return first + await pr.readexactly(len(data) - 1)
+
+            with a_file(data) as f:
+                async with asyncio.timeout(WAKE):
+                    got = asyncio.ensure_future(peer())
+                    assert await loop.sendfile(w.transport, f) == len(data)
+                    assert sha(await got) == sha(data)
+                    assert await r.readexactly(len(extra)) == extra
+                    if not tls:
+                        assert await r.read() == b""  # then the peer's EOF
+                        w.write(b"after")
+                        await w.drain()
+                        assert await pr.readexactly(5) == b"after"
+                    else:
+                        await stream_still_works(r, w, pr, pw)
+
+
+@pytest.mark.asyncio
+@TLS
+async def test_sendfile_honours_a_slow_reader(tls: bool, tls_ca: Any, server_cert: Any) -> None:
+    # A peer that reads slowly pauses the transport's writing; the fallback
+    # must wait for resume_writing, or the whole file ends up in memory.
+    if uvloop_running():
+        return await uvloop_refuses(tls, tls_ca, server_cert)
+    loop = asyncio.get_running_loop()
+    data = os.urandom(4 << 20)
+    peaks = []
+    for lib in LIBS:
+        async with stream_pair(lib, tls, tls_ca, server_cert) as (r, w, pr, pw):
+            tr = w.transport
+            peak = 0
+
+            async def slow_peer() -> bytes:
+                nonlocal peak
+                got = bytearray()
+                while len(got) < len(data):
+                    peak = max(peak, tr.get_write_buffer_size())
+                    await asyncio.sleep(0.002)
+                    got += await pr.read(128 * 1024)
+                return bytes(got)
+
+            with a_file(data) as f:
+                async with asyncio.timeout(60):
+                    got = asyncio.ensure_future(slow_peer())
+                    sent = asyncio.ensure_future(loop.sendfile(tr, f))
+                    while not sent.done():
+                        peak = max(peak, tr.get_write_buffer_size())
+                        await asyncio.sleep(0.001)
+                    assert await sent == len(data)
+                    assert sha(await got) == sha(data)
+                    await stream_still_works(r, w, pr, pw)
+            peaks.append(peak)
+    # high-water mark (64 KiB) + one block of the fallback (16 KiB) + TLS
+    # framing; nowhere near the 4 MiB file.
+    assert all(p <= 96 * 1024 for p in peaks), peaks
+
+
+@pytest.mark.asyncio
+@TLS
+async def test_sendfile_on_a_paused_writer(tls: bool, tls_ca: Any, server_cert: Any) -> None:
+    # Writing already paused when the sendfile starts: the fallback waits
+    # for the resume, then hands it to the stream (drain() returns).
+    if uvloop_running():
+        return await uvloop_refuses(tls, tls_ca, server_cert)
+    loop = asyncio.get_running_loop()
+    data = os.urandom(1 << 20)
+    for lib in LIBS:
+        async with stream_pair(lib, tls, tls_ca, server_cert) as (r, w, pr, pw):
+            first = await write_until_paused(w)
+            with a_file(data) as f:
+                async with asyncio.timeout(WAKE):
+                    sent = asyncio.ensure_future(loop.sendfile(w.transport, f))
+                    got = await pr.readexactly(len(first) + len(data))
+                    assert await sent == len(data)
+                    assert got == first + data
+                    await w.drain()
+                    await stream_still_works(r, w, pr, pw)
+
+
+@pytest.mark.asyncio
+@TLS
+async def test_sendfile_peer_reset_midway(tls: bool, tls_ca: Any, server_cert: Any) -> None:
+    if uvloop_running():
+        return await uvloop_refuses(tls, tls_ca, server_cert)
+    loop = asyncio.get_running_loop()
+    data = os.urandom(16 << 20)
+    outcomes = []
+    for lib in LIBS:
+        async with stream_pair(lib, tls, tls_ca, server_cert) as (r, w, pr, pw):
+            with a_file(data) as f:
+                async with asyncio.timeout(WAKE):
+                    sending = asyncio.ensure_future(loop.sendfile(w.transport, f))
+                    await pr.readexactly(1)
+                    sock = pw.transport.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    pw.transport.abort()  # RST
+                    with pytest.raises(ConnectionError) as info:
+                        await sending
+                    # The stream heard the loss too.
+                    try:
+                        while await r.read(65536):
+                            pass
+                        end: Any = "eof"
+                    except ConnectionError as exc:
+                        end = type(exc)
+                    closing = w.transport.is_closing()
+                    assert 0 < f.tell() < len(data)
+            outcomes.append((end, closing))
+    # As asyncio's fallback ends (its TLS transports): the stream's reader
+    # gets the reset, the transport is closed. (asyncio's native path on
+    # its plain transport differs: it raises the ConnectionResetError of
+    # the send, and leaves the transport open, its reader at EOF.)
+    assert outcomes[1] == (ConnectionResetError, True)
+    if tls:
+        assert outcomes[0] == outcomes[1]
+
+
+@pytest.mark.asyncio
+@TLS
+async def test_sendfile_on_a_closing_transport(tls: bool, tls_ca: Any, server_cert: Any) -> None:
+    loop = asyncio.get_running_loop()
+    errors = []
+    for lib in LIBS:
+        async with stream_pair(lib, tls, tls_ca, server_cert) as (r, w, pr, pw):
+            w.close()
+            with a_file(b"x" * 1000) as f:
+                with pytest.raises(RuntimeError) as info:
+                    await loop.sendfile(w.transport, f)
+                assert f.tell() == 0
+            errors.append(type(info.value))
+            if not uvloop_running():
+                assert str(info.value) == "Transport is closing"
+    assert errors[0] is errors[1]
+    assert errors[0] is (NotImplementedError if uvloop_running() else RuntimeError)
