@@ -314,7 +314,14 @@ class TLSTransport(WriteGate):
         if self._error is None:
             self._error = exc  # (an error of the final delivery comes second)
         try:
-            if self._engine is not None and stage is not _Stage.HANDSHAKE and not self._read_over:
+            # (Not to an asyncio protocol that paused reading: the loops
+            # never hand a paused protocol data, and loop.sendfile()'s
+            # fallback protocol raises if they do. It gets the loss only.)
+            if (
+                self._engine is not None and stage is not _Stage.HANDSHAKE
+                and not self._read_over
+                and not (self._reading_paused and not hasattr(self._app, "chunk_received"))
+            ):
                 # Deliver every byte that was decrypted before the connection went.
                 self._pump(force=True, final=True)
         finally:

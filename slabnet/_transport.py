@@ -1109,6 +1109,11 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if not self._upper_made:
             return
         upper, held = self.upper, self._held
+        if held is not None and self._paused and not hasattr(upper, "chunk_received"):
+            # An asyncio protocol (set_protocol()), paused: the loops never
+            # hand a paused protocol data, and loop.sendfile()'s fallback
+            # protocol raises if they do. It gets the loss only, as there.
+            held = self._held = None
         try:
             if held is not None:  # what arrived before the end is delivered first
                 self._held = None

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import client_ctx, server_ctx
+from conftest import Handler, client_ctx, server_ctx
 
 WAKE = 10.0  # seconds any waiter may take
 LIBS = (asyncio, slabnet)
@@ -349,3 +349,45 @@ async def test_sendfile_on_a_closing_transport(tls: bool, tls_ca: Any, server_ce
                 assert str(info.value) == "Transport is closing"
     assert errors[0] is errors[1]
     assert errors[0] is (NotImplementedError if uvloop_running() else RuntimeError)
+
+
+@pytest.mark.asyncio
+@TLS
+async def test_sendfile_reset_after_the_peer_sent(tls: bool, tls_ca: Any, server_cert: Any) -> None:
+    # Bytes the peer sent during the sendfile, then its reset: slabnet
+    # handed the bytes a paused read had held to the fallback's protocol at
+    # the loss, whose data_received() raises ("Invalid state: reading should
+    # be paused"), an error in the loop's exception handler. Now, as with
+    # asyncio's fallback, the stream hears the reset only.
+    if uvloop_running():
+        return await uvloop_refuses(tls, tls_ca, server_cert)
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    try:
+        outcomes = []
+        for lib in LIBS:
+            async with stream_pair(lib, tls, tls_ca, server_cert) as (r, w, pr, pw):
+                with a_file(os.urandom(16 << 20)) as f:
+                    async with asyncio.timeout(WAKE):
+                        sending = asyncio.ensure_future(loop.sendfile(w.transport, f))
+                        await pr.readexactly(1)
+                        pw.write(b"q" * 500)  # (held by a read made while paused)
+                        await pw.drain()
+                        await asyncio.sleep(0.05)  # (the loop reads it, paused or not)
+                        sock = pw.transport.get_extra_info("socket")
+                        sock.setsockopt(
+                            socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+                        )
+                        pw.transport.abort()  # RST
+                        with pytest.raises(ConnectionError):
+                            await sending
+                        if lib is slabnet or tls:  # (the fallback's end)
+                            with pytest.raises(ConnectionResetError):
+                                await r.read(1000)
+                        # (asyncio's native path, plain, reads on meanwhile.)
+                        await asyncio.sleep(0.05)  # (connection_lost's errors, if any)
+            outcomes.append([repr(c.get("exception")) for c in handler.contexts])
+        assert outcomes == [[], []]
+    finally:
+        loop.set_exception_handler(None)
