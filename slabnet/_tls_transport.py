@@ -73,7 +73,7 @@ from ._errors import (
 )
 from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import (
-    CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep, chunk_deliverer,
+    CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep, chunk_deliverer, flow_limits,
 )
 from ._write import WriteRequest
 
@@ -82,6 +82,10 @@ __all__ = ["TLSTransport"]
 log = logging.getLogger("slabnet")
 
 #: asyncio's defaults (asyncio.constants): 60 s handshake, 30 s shutdown.
+#: The read-buffer high-water mark both loops' TLS transports start with
+#: (asyncio's FLOW_CONTROL_HIGH_WATER_SSL_READ, 256 KiB); low is a quarter.
+DEFAULT_READ_HIGH_WATER: Final = 256 * 1024
+
 SSL_HANDSHAKE_TIMEOUT: Final = 60.0
 SSL_SHUTDOWN_TIMEOUT: Final = 30.0
 
@@ -192,6 +196,7 @@ class TLSTransport(WriteGate):
         self._peer_eof = False  # the peer's TCP FIN arrived
         self._error: BaseException | None = None  # what connection_lost reports
         self._reading_paused = False  # by the app
+        self._read_high, self._read_low = flow_limits(None, None, DEFAULT_READ_HIGH_WATER)
         # The engine's own answers (ANSWERS_MAX): bytes sent while the plain
         # connection's queue is paused, and whether reading waits for it.
         self._lower_paused = False
@@ -451,6 +456,23 @@ class TLSTransport(WriteGate):
         if held and engine is not None and engine.buffered_ciphertext:
             # Records that arrived before the pause are delivered first.
             self._loop.call_soon(self._pump)
+
+    # The read-buffer limits of the loops' TLS transports: their SSL
+    # protocol buffers incoming ciphertext up to the high mark before it
+    # pauses the socket. Ours holds no more than one read's: it decrypts
+    # each read as it comes, and reading pauses with the app. So the limits
+    # are kept and reported, as set, and change nothing; the size is the
+    # ciphertext that has come and is not decrypted yet, as theirs is.
+
+    def set_read_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._read_high, self._read_low = flow_limits(high, low, DEFAULT_READ_HIGH_WATER)
+
+    def get_read_buffer_limits(self) -> tuple[int, int]:
+        return (self._read_low, self._read_high)
+
+    def get_read_buffer_size(self) -> int:
+        engine = self._engine
+        return 0 if engine is None else engine.buffered_ciphertext
 
     def has_pending_input(self) -> bool:
         """True if ciphertext has arrived that was not delivered as plaintext

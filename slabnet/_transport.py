@@ -196,6 +196,19 @@ class ChunkProtocol(asyncio.BaseProtocol):
 # ---------------------------------------------------------------- transport
 
 
+def flow_limits(high: int | None, low: int | None, default_high: int) -> tuple[int, int]:
+    """``(high, low)`` as asyncio's transports fill in the ones not given:
+    ``default_high`` with neither, four times ``low`` with only it, and
+    ``low`` a quarter of ``high``."""
+    if high is None:
+        high = default_high if low is None else 4 * low
+    if low is None:
+        low = high // 4
+    if not high >= low >= 0:
+        raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+    return high, low
+
+
 class _State(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"  # close() or abort() called, or the send side failed
@@ -255,13 +268,7 @@ class WriteGate(asyncio_transports._FlowControlMixin):
         return (self._low, self._high)
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        if high is None:
-            high = DEFAULT_HIGH_WATER if low is None else 4 * low
-        if low is None:
-            low = high // 4
-        if not high >= low >= 0:
-            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
-        self._high, self._low = high, low
+        self._high, self._low = flow_limits(high, low, DEFAULT_HIGH_WATER)
         # New limits may pause the app at once; a resume waits for the next
         # drain, as with both loops' transports (from inside pause_writing()
         # the app would otherwise hear resume_writing() before its pause

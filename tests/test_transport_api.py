@@ -391,3 +391,35 @@ async def test_sendfile_reset_after_the_peer_sent(tls: bool, tls_ca: Any, server
         assert outcomes == [[], []]
     finally:
         loop.set_exception_handler(None)
+
+
+# ---------------------------------------------------------------- the API, item by item
+
+
+@pytest.mark.asyncio
+async def test_tls_read_buffer_limits(tls_ca: Any, server_cert: Any) -> None:
+    # Both loops' TLS transports have set_read_buffer_limits(),
+    # get_read_buffer_limits() and get_read_buffer_size(); slabnet's had
+    # none of them (AttributeError).
+    outcomes = []
+    for lib in LIBS:
+        async with stream_pair(lib, True, tls_ca, server_cert) as (r, w, pr, pw):
+            tr = w.transport
+            seen: list[Any] = [tr.get_read_buffer_limits(), tr.get_read_buffer_size()]
+            for args in [(100,), (None, 10), (10, 100), (0, 0), (-1,), (None, None)]:
+                try:
+                    tr.set_read_buffer_limits(*args)
+                    seen.append((args, tr.get_read_buffer_limits()))
+                except ValueError:
+                    seen.append((args, "ValueError", tr.get_read_buffer_limits()))
+            tr.set_read_buffer_limits(high=1000, low=500)
+            seen.append(tr.get_read_buffer_limits())
+            # Reading still works whatever the limits say.
+            async with asyncio.timeout(WAKE):
+                pw.write(b"x" * 100_000)
+                assert await r.readexactly(100_000) == b"x" * 100_000
+            size = tr.get_read_buffer_size()
+            assert isinstance(size, int) and size >= 0
+            outcomes.append(seen)
+    assert outcomes[0] == outcomes[1]
+    assert outcomes[1][:3] == [(65536, 262144), 0, ((100,), (25, 100))]
