@@ -422,9 +422,12 @@ class TLSTransport(WriteGate):
     # transport was paused is resumed by either transport's resume_reading.
 
     def is_reading(self) -> bool:
+        # From close() on the app gets nothing more: False, as uvloop's TLS
+        # transport and both loops' plain ones say (our shutdown still reads,
+        # to the peer's close_notify, and drops what it reads).
         lower = self._lower
         return (
-            not self._reading_paused and self._stage is not _Stage.DONE
+            not self._reading_paused and not self._closing
             and lower is not None and lower.is_reading()
         )
 
