@@ -81,11 +81,11 @@ __all__ = ["TLSTransport"]
 
 log = logging.getLogger("slabnet")
 
-#: asyncio's defaults (asyncio.constants): 60 s handshake, 30 s shutdown.
 #: The read-buffer high-water mark both loops' TLS transports start with
 #: (asyncio's FLOW_CONTROL_HIGH_WATER_SSL_READ, 256 KiB); low is a quarter.
 DEFAULT_READ_HIGH_WATER: Final = 256 * 1024
 
+#: asyncio's defaults (asyncio.constants): 60 s handshake, 30 s shutdown.
 SSL_HANDSHAKE_TIMEOUT: Final = 60.0
 SSL_SHUTDOWN_TIMEOUT: Final = 30.0
 
