@@ -72,12 +72,18 @@ from ._errors import (
     untraced,
 )
 from ._tls import MAX_FRAGMENT, TLSEngine
-from ._transport import CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep
+from ._transport import (
+    CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep, chunk_deliverer, flow_limits,
+)
 from ._write import WriteRequest
 
 __all__ = ["TLSTransport"]
 
 log = logging.getLogger("slabnet")
+
+#: The read-buffer high-water mark both loops' TLS transports start with
+#: (asyncio's FLOW_CONTROL_HIGH_WATER_SSL_READ, 256 KiB); low is a quarter.
+DEFAULT_READ_HIGH_WATER: Final = 256 * 1024
 
 #: asyncio's defaults (asyncio.constants): 60 s handshake, 30 s shutdown.
 SSL_HANDSHAKE_TIMEOUT: Final = 60.0
@@ -160,8 +166,7 @@ class TLSTransport(WriteGate):
         upgrade: bool = False,
         app_paused: bool = False,
     ) -> None:
-        super().__init__()
-        self._loop = loop
+        super().__init__(loop=loop)  # (sets _loop)
         self._app: Any
         self._deliver: Any
         self.set_protocol(app)
@@ -191,6 +196,7 @@ class TLSTransport(WriteGate):
         self._peer_eof = False  # the peer's TCP FIN arrived
         self._error: BaseException | None = None  # what connection_lost reports
         self._reading_paused = False  # by the app
+        self._read_high, self._read_low = flow_limits(None, None, DEFAULT_READ_HIGH_WATER)
         # The engine's own answers (ANSWERS_MAX): bytes sent while the plain
         # connection's queue is paused, and whether reading waits for it.
         self._lower_paused = False
@@ -209,7 +215,7 @@ class TLSTransport(WriteGate):
             # STARTTLS on a plain connection whose writing is paused: the app
             # has had pause_writing and waits for its resume, which is ours
             # to give now, once the plain connection resumes.
-            self._writing_paused = True
+            self._protocol_paused = True
 
     # ------------------------------------------------ lifecycle gate
 
@@ -313,7 +319,14 @@ class TLSTransport(WriteGate):
         if self._error is None:
             self._error = exc  # (an error of the final delivery comes second)
         try:
-            if self._engine is not None and stage is not _Stage.HANDSHAKE and not self._read_over:
+            # (Not to an asyncio protocol that paused reading: the loops
+            # never hand a paused protocol data, and loop.sendfile()'s
+            # fallback protocol raises if they do. It gets the loss only.)
+            if (
+                self._engine is not None and stage is not _Stage.HANDSHAKE
+                and not self._read_over
+                and not (self._reading_paused and not hasattr(self._app, "chunk_received"))
+            ):
                 # Deliver every byte that was decrypted before the connection went.
                 self._pump(force=True, final=True)
         finally:
@@ -373,9 +386,9 @@ class TLSTransport(WriteGate):
         return app
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
-        deliver = getattr(protocol, "chunk_received", None)
-        if deliver is None:
-            raise TypeError(f"{protocol!r} has no chunk_received(): not a ChunkProtocol")
+        # Any protocol, as the loop's transports take (loop.sendfile()'s
+        # fallback sets its own asyncio Protocol for the time of the send).
+        deliver, _ = chunk_deliverer(protocol)
         self._app = protocol
         self._deliver = deliver
 
@@ -409,9 +422,12 @@ class TLSTransport(WriteGate):
     # transport was paused is resumed by either transport's resume_reading.
 
     def is_reading(self) -> bool:
+        # From close() on the app gets nothing more: False, as uvloop's TLS
+        # transport and both loops' plain ones say (our shutdown still reads,
+        # to the peer's close_notify, and drops what it reads).
         lower = self._lower
         return (
-            not self._reading_paused and self._stage is not _Stage.DONE
+            not self._reading_paused and not self._closing
             and lower is not None and lower.is_reading()
         )
 
@@ -443,6 +459,23 @@ class TLSTransport(WriteGate):
         if held and engine is not None and engine.buffered_ciphertext:
             # Records that arrived before the pause are delivered first.
             self._loop.call_soon(self._pump)
+
+    # The read-buffer limits of the loops' TLS transports: their SSL
+    # protocol buffers incoming ciphertext up to the high mark before it
+    # pauses the socket. Ours holds no more than one read's: it decrypts
+    # each read as it comes, and reading pauses with the app. So the limits
+    # are kept and reported, as set, and change nothing; the size is the
+    # ciphertext that has come and is not decrypted yet, as theirs is.
+
+    def set_read_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        self._read_high, self._read_low = flow_limits(high, low, DEFAULT_READ_HIGH_WATER)
+
+    def get_read_buffer_limits(self) -> tuple[int, int]:
+        return (self._read_low, self._read_high)
+
+    def get_read_buffer_size(self) -> int:
+        engine = self._engine
+        return 0 if engine is None else engine.buffered_ciphertext
 
     def has_pending_input(self) -> bool:
         """True if ciphertext has arrived that was not delivered as plaintext
@@ -696,7 +729,7 @@ class TLSTransport(WriteGate):
                     lower.pause_reading()
         if self._held and not engine.held_plaintext:
             self._track([])
-        if self._writing_paused:
+        if self._protocol_paused:
             self._check_pause()  # held plaintext may have been encrypted
 
     def _fail_writes(self, exc: BaseException) -> None:

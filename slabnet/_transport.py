@@ -69,6 +69,8 @@ import logging
 import os
 import ssl
 import weakref
+from asyncio import constants as asyncio_constants
+from asyncio import transports as asyncio_transports
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Final, cast
 
@@ -194,6 +196,19 @@ class ChunkProtocol(asyncio.BaseProtocol):
 # ---------------------------------------------------------------- transport
 
 
+def flow_limits(high: int | None, low: int | None, default_high: int) -> tuple[int, int]:
+    """``(high, low)`` as asyncio's transports fill in the ones not given:
+    ``default_high`` with neither, four times ``low`` with only it, and
+    ``low`` a quarter of ``high``."""
+    if high is None:
+        high = default_high if low is None else 4 * low
+    if low is None:
+        low = high // 4
+    if not high >= low >= 0:
+        raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
+    return high, low
+
+
 class _State(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"  # close() or abort() called, or the send side failed
@@ -207,23 +222,39 @@ _TRANSITIONS: Final = {
 }
 
 
-class WriteGate(asyncio.Transport):
+class WriteGate(asyncio_transports._FlowControlMixin):
     """What every slabnet transport does the same way around its writes:
     the write-buffer limits and the pause/resume calls they cause, the rule
     for writes on a closed connection, and the STARTTLS upgrade. A subclass
     provides ``get_write_buffer_size()``, ``_writes_closed()``,
     ``get_protocol()`` (who hears ``pause_writing``/``resume_writing``, and
     the app of a TLS layer started on it), ``_check_upgradable()`` and
-    ``_carry()``."""
+    ``_carry()``.
 
-    __slots__ = ("_high", "_low", "_writing_paused", "_eof_requested", "_dropped_writes")
+    ``loop.sendfile()`` on the asyncio loop sends the file by its
+    read-and-write fallback (``_sendfile_compatible``), as it does on its
+    own TLS transports. That fallback takes only a ``_FlowControlMixin``
+    (an ``isinstance`` check) and reads its ``_protocol_paused``: so this
+    class is one, and ``_protocol_paused`` is our "the app was told
+    pause_writing" flag. Every method of the mixin is overridden here; its
+    other slots (``_high_water``, ``_low_water``) go unused. The fallback
+    swaps the protocol for its own (``set_protocol``) with reading paused,
+    and restores it, then resumes reading: what arrived meanwhile is held
+    (``SlabProtocol._hold``) and delivered to the app after. uvloop's
+    ``sendfile`` is asyncio's abstract one: NotImplementedError for every
+    transport, its own too.
+    """
+
+    __slots__ = ("_high", "_low", "_eof_requested", "_dropped_writes")
+
+    _sendfile_compatible = asyncio_constants._SendfileMode.FALLBACK
 
     _loop: asyncio.AbstractEventLoop
 
     def _init_gate(self) -> None:
         self._high = DEFAULT_HIGH_WATER
         self._low = DEFAULT_HIGH_WATER // 4
-        self._writing_paused = False
+        self._protocol_paused = False
         self._eof_requested = False
         self._dropped_writes = 0  # writes after close()/abort()/the connection went
 
@@ -237,18 +268,12 @@ class WriteGate(asyncio.Transport):
         return (self._low, self._high)
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
-        if high is None:
-            high = DEFAULT_HIGH_WATER if low is None else 4 * low
-        if low is None:
-            low = high // 4
-        if not high >= low >= 0:
-            raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
-        self._high, self._low = high, low
+        self._high, self._low = flow_limits(high, low, DEFAULT_HIGH_WATER)
         # New limits may pause the app at once; a resume waits for the next
         # drain, as with both loops' transports (from inside pause_writing()
         # the app would otherwise hear resume_writing() before its pause
         # returned).
-        if not self._writing_paused:
+        if not self._protocol_paused:
             self._check_pause()
 
     def _check_writable(self) -> bool:
@@ -276,12 +301,12 @@ class WriteGate(asyncio.Transport):
 
     def _check_pause(self) -> None:
         size = self.get_write_buffer_size()
-        if not self._writing_paused:
+        if not self._protocol_paused:
             if size > self._high:
-                self._writing_paused = True
+                self._protocol_paused = True
                 self._notify_app("pause_writing")
         elif size <= self._low:
-            self._writing_paused = False
+            self._protocol_paused = False
             self._notify_app("resume_writing")
 
     def get_protocol(self) -> asyncio.BaseProtocol:
@@ -345,7 +370,7 @@ class WriteGate(asyncio.Transport):
             self.get_protocol(), self._loop, sslcontext, server_side=server_side,
             server_hostname=server_hostname, ssl_handshake_timeout=ssl_handshake_timeout,
             ssl_shutdown_timeout=ssl_shutdown_timeout, ssl_ragged_eof=ssl_ragged_eof,
-            ssl_session=ssl_session, waiter=waiter, upgrade=True, app_paused=self._writing_paused,
+            ssl_session=ssl_session, waiter=waiter, upgrade=True, app_paused=self._protocol_paused,
         )
         self._carry(tls)
         tls.connection_made(self)
@@ -369,18 +394,18 @@ class SlabTransport(WriteGate):
     # upper protocol through set_protocol()); uvloop's takes only its own.
     _start_tls_compatible = True
 
-    # (Slots: an idle server holds one of these per connection.)
+    # (Slots: an idle server holds one of these per connection. ``_loop``
+    # is a slot of asyncio's _FlowControlMixin, under WriteGate.)
     __slots__ = (
-        "_proto", "_raw", "_loop", "_pool", "_state", "_closing", "_out", "_fd",
+        "_proto", "_raw", "_pool", "_state", "_closing", "_out", "_fd",
         "_ino", "_dupfd", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
         "_flush_scheduled", "_corked", "_eof_sent", "_error", "_raw_gone",
     )
 
     def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, pool: BufferPool) -> None:
-        super().__init__()
+        super().__init__(loop=proto.loop)  # (sets _loop)
         self._proto = proto
         self._raw = raw
-        self._loop = proto.loop
         self._pool = pool
         self._state = _State.OPEN
         self._closing = False  # derived from _state by _set_state: a hot check
@@ -878,6 +903,26 @@ def _as_bytes_view(data: Any) -> memoryview:
 # ---------------------------------------------------------------- protocol
 
 
+def chunk_deliverer(protocol: Any) -> tuple[Any, bool]:
+    """What hands ``protocol`` a chunk, and whether it borrows chunks.
+
+    A ``ChunkProtocol`` gets each chunk as it is; an asyncio protocol is
+    taken too, as the loop's transports take one: a ``BufferedProtocol``
+    has each chunk copied into its buffers, a ``Protocol`` gets it as
+    ``bytes`` (both copy it before they return, so they borrow)."""
+    deliver = getattr(protocol, "chunk_received", None)
+    if deliver is not None:
+        return deliver, bool(getattr(protocol, "borrows_chunks", False))
+    if isinstance(protocol, asyncio.BufferedProtocol):
+        return functools.partial(_fill_buffers, protocol), True
+    if callable(getattr(protocol, "data_received", None)):
+        return functools.partial(_data_received, protocol), True
+    raise TypeError(
+        f"{protocol!r} has no chunk_received(), data_received() or "
+        f"get_buffer(): not a protocol"
+    )
+
+
 def _fill_buffers(protocol: asyncio.BufferedProtocol, chunk: memoryview) -> None:
     """Hand ``chunk`` to an asyncio ``BufferedProtocol`` as the loop does:
     copied into the buffers its ``get_buffer()`` returns."""
@@ -986,19 +1031,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         one (``loop.start_tls()`` hands the connection to asyncio's
         ``SSLProtocol`` so): a ``BufferedProtocol`` has each chunk copied
         into its buffers, a ``Protocol`` gets it as ``bytes``."""
-        deliver = getattr(upper, "chunk_received", None)
-        borrows = bool(getattr(upper, "borrows_chunks", False))
-        if deliver is None:
-            if isinstance(upper, asyncio.BufferedProtocol):
-                deliver = functools.partial(_fill_buffers, upper)
-            elif callable(getattr(upper, "data_received", None)):
-                deliver = functools.partial(_data_received, upper)
-            else:
-                raise TypeError(
-                    f"{upper!r} has no chunk_received(), data_received() or "
-                    f"get_buffer(): not a protocol"
-                )
-            borrows = True  # (both copy the chunk before they return)
+        deliver, borrows = chunk_deliverer(upper)
         self.upper = upper
         self._deliver = deliver
         self._borrows = borrows
@@ -1083,6 +1116,11 @@ class SlabProtocol(asyncio.BufferedProtocol):
         if not self._upper_made:
             return
         upper, held = self.upper, self._held
+        if held is not None and self._paused and not hasattr(upper, "chunk_received"):
+            # An asyncio protocol (set_protocol()), paused: the loops never
+            # hand a paused protocol data, and loop.sendfile()'s fallback
+            # protocol raises if they do. It gets the loss only, as there.
+            held = self._held = None
         try:
             if held is not None:  # what arrived before the end is delivered first
                 self._held = None
