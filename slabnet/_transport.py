@@ -222,7 +222,36 @@ _TRANSITIONS: Final = {
 }
 
 
-class WriteGate(asyncio_transports._FlowControlMixin):
+_SENDFILE_FALLBACK: Final = getattr(
+    getattr(asyncio_constants, "_SendfileMode", None), "FALLBACK", None
+)
+
+
+class _FlowControlStandIn(asyncio.Transport):
+    """What WriteGate takes of asyncio's ``_FlowControlMixin`` (private, the
+    base of its own transports, which loop.sendfile()'s fallback requires;
+    CPython 3.8 to 3.13 have it), should a Python lack it: then there is no
+    sendfile (RuntimeError, as before)."""
+
+    __slots__ = ("_loop", "_protocol_paused")
+
+    def __init__(self, extra: Any = None, loop: Any = None) -> None:
+        super().__init__(extra)
+        self._loop = loop
+
+
+if TYPE_CHECKING:
+    _FlowControlBase = asyncio_transports._FlowControlMixin
+elif _SENDFILE_FALLBACK is not None and hasattr(asyncio_transports, "_FlowControlMixin"):
+    _FlowControlBase = asyncio_transports._FlowControlMixin
+else:
+    _FlowControlBase = _FlowControlStandIn
+
+#: loop.sendfile() takes a transport of ours (by asyncio's fallback).
+_SENDFILE: Final = not issubclass(_FlowControlStandIn, _FlowControlBase)
+
+
+class WriteGate(_FlowControlBase):
     """What every slabnet transport does the same way around its writes:
     the write-buffer limits and the pause/resume calls they cause, the rule
     for writes on a closed connection, and the STARTTLS upgrade. A subclass
@@ -247,7 +276,8 @@ class WriteGate(asyncio_transports._FlowControlMixin):
 
     __slots__ = ("_high", "_low", "_eof_requested", "_dropped_writes")
 
-    _sendfile_compatible = asyncio_constants._SendfileMode.FALLBACK
+    if _SENDFILE:
+        _sendfile_compatible = _SENDFILE_FALLBACK
 
     _loop: asyncio.AbstractEventLoop
 

@@ -15,6 +15,8 @@ import hashlib
 import os
 import socket
 import struct
+import subprocess
+import sys
 import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
@@ -613,3 +615,46 @@ async def test_transport_api_parity(tls: bool, unix: bool, tls_ca: Any, server_c
         # read from close() on (slabnet's TLS transport said True there).
         reading = [v for k, v in ours.items() if k.startswith(("closed: is_reading", "lost: is_reading"))]
         assert reading == [False] * 6
+
+
+def test_without_asyncios_private_flow_control_mixin_sendfile_is_refused() -> None:
+    # slabnet's transports stand on asyncio's private _FlowControlMixin for
+    # loop.sendfile(). A Python without it must still get working streams,
+    # and loop.sendfile()'s RuntimeError, as before sendfile was taken.
+    code = """
+import asyncio, asyncio.transports, socket, tempfile
+del asyncio.transports._FlowControlMixin
+import slabnet
+
+async def main():
+    async def echo(reader, writer):
+        writer.write(await reader.readexactly(5))
+        await writer.drain()
+        writer.close()
+    server = await slabnet.start_server(echo, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    writer.write(b"hello")
+    assert await asyncio.wait_for(reader.readexactly(5), 5) == b"hello"
+    with tempfile.TemporaryFile() as f:
+        f.write(b"x")
+        f.seek(0)
+        try:
+            await asyncio.get_running_loop().sendfile(writer.transport, f)
+        except RuntimeError as exc:
+            assert "not supported" in str(exc), exc
+        else:
+            raise AssertionError("sendfile did not refuse")
+    writer.close()
+    await asyncio.wait_for(writer.wait_closed(), 5)
+    server.close()
+    print("ok")
+
+asyncio.run(main())
+"""
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
