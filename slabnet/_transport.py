@@ -51,8 +51,8 @@ at once, and its number may already be another connection's.
   kernel takes it all, no object is made and ``write`` returns ``None``.
 * A small write (below ``BufferPool.small_limit``) is copied into the loop's
   pool and sent, with every other small write of the same loop iteration, by
-  one ``sendmsg`` from a ``call_soon`` callback -- or at once when 64 KiB
-  have gathered.
+  one ``sendmsg`` from a ``call_soon`` callback -- or at once when 64 KiB,
+  or 1024 writes (``IOV_MAX``), have gathered.
 * What the kernel does not take waits in an ``OutQueue`` (memoryview slices,
   no joins), and the caller gets a ``WriteRequest``.
 
@@ -98,6 +98,12 @@ DEFAULT_HIGH_WATER: Final = 64 * 1024
 #: Small writes gathered in the pool go out at the end of the loop iteration,
 #: or earlier once this much is waiting: one ``sendmsg`` per 64 KiB at most.
 CORK_LIMIT: Final = 64 * 1024
+
+#: ... or once this many writes are waiting: one ``sendmsg`` takes no more
+#: (``IOV_MAX``), so gathering further saves no call, and a loop of tiny
+#: ``write(); await drain()`` that never yields would otherwise run 65,536
+#: times before its bytes reach the kernel, or a reset they meet reaches it.
+CORK_PIECES: Final = IOV_MAX
 
 #: The most a read made while the upper protocol is paused takes in (and
 #: holds until it resumes); that read also pauses the socket.
@@ -429,7 +435,7 @@ class SlabTransport(WriteGate):
     __slots__ = (
         "_proto", "_raw", "_pool", "_state", "_closing", "_out", "_fd",
         "_ino", "_dupfd", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
-        "_flush_scheduled", "_corked", "_eof_sent", "_error", "_raw_gone",
+        "_flush_scheduled", "_corked", "_corked_pieces", "_eof_sent", "_error", "_raw_gone",
     )
 
     def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, pool: BufferPool) -> None:
@@ -451,6 +457,7 @@ class SlabTransport(WriteGate):
         self._poll_delay = _POLL_MIN
         self._flush_scheduled = False
         self._corked = 0  # pooled bytes waiting for the end-of-iteration flush
+        self._corked_pieces = 0  # and the writes they came in
         self._eof_sent = False
         self._error: BaseException | None = None
         self._raw_gone = False  # the loop closed its transport with bytes queued
@@ -520,11 +527,12 @@ class SlabTransport(WriteGate):
             blocked = self._waiting_writable
             out.append(region)
             self._corked += n
+            self._corked_pieces += 1
             if blocked:
                 req = out.request(n)
                 self._check_pause()
                 return req
-            if self._corked >= CORK_LIMIT:
+            if self._corked >= CORK_LIMIT or self._corked_pieces >= CORK_PIECES:
                 self._flush()
             elif not self._flush_scheduled:
                 self._flush_scheduled = True
@@ -721,6 +729,7 @@ class SlabTransport(WriteGate):
     def _flush(self) -> None:
         """Send what is queued; wait for writability if the kernel is full."""
         self._corked = 0
+        self._corked_pieces = 0
         out = self._out
         if not self._send_open or (out and not self._send_queued()):
             return
