@@ -1010,3 +1010,98 @@ async def test_sync_handler_raising_on_a_unix_server_ends_its_connection(
         loop.set_exception_handler(None)
     assert _logged(handler) == [("slabnet: protocol.connection_made() failed", "_Oops")]
     assert await _settled(baseline) <= baseline
+
+
+# ---------------------------------------------------------------- loop close
+
+# A Unix server and one client, asyncio's streams or slabnet's, plain or
+# TLS, left open when the loop closes; then everything is collected. Prints
+# the warnings and what the loop's exception handler got, one per line.
+_LEFT_OPEN = textwrap.dedent("""
+    import asyncio, gc, os, re, ssl, sys, warnings
+    import slabnet
+
+    loop_name, impl_name, path, certfile, cafile = sys.argv[1:6]
+    impl = slabnet if impl_name == "slabnet" else asyncio
+    seen = []
+    warnings.simplefilter("always")
+    warnings.showwarning = lambda message, category, *args, **kw: seen.append(
+        f"{category.__name__}: {message}")
+    if loop_name == "uvloop":
+        import uvloop
+        loop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.SelectorEventLoop()
+    loop.set_exception_handler(lambda loop, context: seen.append("LOG " + context["message"]))
+    keep = []
+
+    async def main():
+        server_ctx = client_ctx = None
+        kw = {}
+        if certfile:
+            server_ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            server_ctx.load_cert_chain(certfile)
+            client_ctx = ssl.create_default_context(cafile=cafile)
+            kw = {"ssl": client_ctx, "server_hostname": "localhost"}
+
+        async def handle(reader, writer):
+            keep.append(writer)
+            await reader.read()
+
+        keep.append(await impl.start_unix_server(handle, path, ssl=server_ctx))
+        reader, writer = await impl.open_unix_connection(path, **kw)
+        keep.append(writer)
+        writer.write(b"x")
+        await asyncio.sleep(0.1)
+
+    loop.run_until_complete(main())
+    loop.close()
+    del keep[:]
+    gc.collect()
+    for line in seen:
+        print(re.sub(r"0x[0-9a-f]+|fd=[0-9]+|/tmp/[^ >,']*", "*", line))
+""")
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_loop_closed_with_unix_connections_open_warns_as_asyncio(
+    loop_name: str, sockdir: str, server_cert: Any, tls_ca: Any, tls: bool
+) -> None:
+    """The loop closed with a Unix server and a connection (plain or TLS)
+    still open, then everything collected: the loop's transports warn as
+    they do under asyncio's streams, each of the two writers warns once
+    (asyncio's say "loop is closed", slabnet's "unclosed <StreamWriter
+    ...>"), the handler's task is reported destroyed, as with asyncio, and
+    nothing raises."""
+    certfile = cafile = ""
+    if tls:
+        certfile = os.path.join(sockdir, "server.pem")
+        server_cert.private_key_and_cert_chain_pem.write_to_path(certfile)
+        cafile = os.path.join(sockdir, "ca.pem")
+        tls_ca.cert_pem.write_to_path(cafile)
+    env = dict(os.environ, PYTHONPATH=str(Path(slabnet.__file__).parent.parent))
+
+    async def scenario(impl: ModuleType, where: str) -> list[str]:
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [sys.executable, "-c", _LEFT_OPEN, loop_name, impl.__name__,
+             os.path.join(where, "s"), certfile, cafile],
+            capture_output=True, text=True, env=env, timeout=WAIT,
+        )
+        assert done.returncode == 0 and not done.stderr, done.stderr
+        return done.stdout.splitlines()
+
+    seen = await both(scenario, sockdir)
+
+    def of_the_loop(lines: list[str]) -> list[str]:
+        return sorted(line for line in lines
+                      if "StreamWriter" not in line and "SSLProtocolTransport" not in line
+                      and "loop is closed" not in line)
+
+    assert of_the_loop(seen["slabnet"]) == of_the_loop(seen["asyncio"])
+    assert "LOG Task was destroyed but it is pending!" in seen["slabnet"]
+    writers = [line for line in seen["slabnet"] if "StreamWriter" in line]
+    assert len(writers) == 2 and all(w.startswith("ResourceWarning: unclosed <StreamWriter")
+                                     for w in writers), seen["slabnet"]
+    assert sum("loop is closed" in line for line in seen["asyncio"]) >= 1
