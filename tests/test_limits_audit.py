@@ -35,7 +35,7 @@ import pytest
 import slabnet
 from conftest import Handler, RawTLS, client_ctx, fds_settle, hard_close, open_fds, server_ctx
 from test_conn_hardening import _fill_descriptors
-from test_unix_streams import WAIT, both, outcome_of, sockdir  # noqa: F401 (a fixture)
+from test_unix_streams import WAIT, both, outcome_of, sockdir, until_readable  # noqa: F401 (a fixture)
 
 
 def _tasks() -> int:
@@ -516,7 +516,7 @@ async def _tls_server_peer(sock: socket.socket, stage: str, ctx: ssl.SSLContext)
 async def _tls_server_steps(sock: socket.socket, stage: str, ctx: ssl.SSLContext) -> None:
     tls = RawTLS(sock, ctx, server_side=True)
     if stage != "start":
-        await asyncio.sleep(0.1)  # the ClientHello arrives, unread
+        await until_readable(sock)  # the ClientHello has come, unread
         if stage != "hello_unread":
             await asyncio.wait_for(tls._pull(), WAIT)
             if stage != "hello_read":
@@ -526,7 +526,7 @@ async def _tls_server_steps(sock: socket.socket, stage: str, ctx: ssl.SSLContext
                     pass
                 await tls.flush()
                 if stage != "flight_sent":
-                    await asyncio.sleep(0.1)  # the client's Finished arrives
+                    await until_readable(sock)  # the client's Finished has come
                     if stage == "done":
                         await asyncio.wait_for(tls.handshake(), WAIT)
 
@@ -652,7 +652,10 @@ async def test_clients_reset_mid_handshake_on_a_unix_tls_server_match_asyncio(
                 except ssl.SSLWantReadError:
                     pass
                 await tls.flush()
-                await asyncio.sleep(0.1)  # the answer arrives, unread
+                if step == "finished_unread":
+                    await until_readable(sock)  # the tickets have come, unread
+            elif step == "flight_unread":
+                await until_readable(sock)  # the server's flight has come, unread
             elif step == "flight_read":
                 await asyncio.wait_for(tls._pull(), WAIT)
             elif step == "done":
@@ -676,16 +679,25 @@ async def test_clients_reset_mid_handshake_on_a_unix_tls_server_match_asyncio(
         server = await impl.start_unix_server(handle, path, ssl=server_ctx(server_cert))
         baseline, tasks = open_fds(), _tasks()
         seen: dict[str, Any] = {}
+
+        async def handled_one() -> None:
+            async with asyncio.timeout(WAIT):
+                while not handled:
+                    await asyncio.sleep(0.01)
+
         for stage in _CLIENT_STAGES:
             await client(path, stage)
-            await asyncio.sleep(0.2)
+            if stage in ("finished_unread", "done"):
+                await handled_one()
+            else:
+                await asyncio.sleep(0.2)  # (time for a handler that should not run)
             seen[stage] = list(handled)
             handled.clear()
         reader, writer = await impl.open_unix_connection(
             path, ssl=client_ctx(tls_ca), server_hostname="localhost")
         writer.close()
         await asyncio.wait_for(writer.wait_closed(), WAIT)
-        await asyncio.sleep(0.1)
+        await handled_one()
         seen["served after"] = handled == [b""]
         server.close()
         await asyncio.wait_for(server.wait_closed(), WAIT)
