@@ -114,6 +114,66 @@ def _retrieve(task: asyncio.Future[None]) -> None:
         task.exception()
 
 
+class _Tunnel(httpcore.AsyncConnectionInterface):
+    """httpcore's connection through a CONNECT tunnel, closed when a
+    request on it fails.
+
+    httpcore (1.0.9, encode/httpcore#1023) leaves a tunnel whose set-up
+    failed after the proxy's 200 (the destination's TLS handshake failed,
+    the proxy hung up) ACTIVE in the pool for good: each such failure takes
+    a pool slot, and after ``max_connections`` of them every request waits
+    for ``PoolTimeout``. Closed, the pool drops it. A request that fails on
+    a tunnel already set up has closed its HTTP/1.1 connection itself, so
+    closing it again changes nothing there."""
+
+    def __init__(self, connection: httpcore.AsyncConnectionInterface) -> None:
+        self._connection = connection
+
+    async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
+        try:
+            return await self._connection.handle_async_request(request)
+        except BaseException:
+            if not self._connection.is_closed():
+                # In a task of its own, to its end, whatever cancels the
+                # caller meanwhile (then the CancelledError goes up).
+                closing = asyncio.ensure_future(self._connection.aclose())
+                closing.add_done_callback(_retrieve)
+                await asyncio.shield(closing)
+            raise
+
+    def can_handle_request(self, origin: httpcore.Origin) -> bool:
+        return self._connection.can_handle_request(origin)
+
+    async def aclose(self) -> None:
+        await self._connection.aclose()
+
+    def info(self) -> str:
+        return self._connection.info()
+
+    def is_available(self) -> bool:
+        return self._connection.is_available()
+
+    def has_expired(self) -> bool:
+        return self._connection.has_expired()
+
+    def is_idle(self) -> bool:
+        return self._connection.is_idle()
+
+    def is_closed(self) -> bool:
+        return self._connection.is_closed()
+
+    def __repr__(self) -> str:
+        return repr(self._connection)
+
+
+class _HTTPProxy(httpcore.AsyncHTTPProxy):
+    """httpcore's HTTP proxy pool, its tunnels closed when a request fails."""
+
+    def create_connection(self, origin: httpcore.Origin) -> httpcore.AsyncConnectionInterface:
+        connection = super().create_connection(origin)
+        return connection if origin.scheme == b"http" else _Tunnel(connection)
+
+
 class AsyncSlabnetTransport(httpx.AsyncBaseTransport):
     """An httpx transport whose connections are slabnet's (HTTP/1.1)."""
 
@@ -154,7 +214,7 @@ class AsyncSlabnetTransport(httpx.AsyncBaseTransport):
                 f"AsyncSlabnetTransport takes http:// and https:// proxies, "
                 f"not {url.scheme}:// ({url})"
             )
-        self._pool = httpcore.AsyncHTTPProxy(
+        self._pool = _HTTPProxy(
             proxy_url=httpcore.URL(
                 scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
             ),
