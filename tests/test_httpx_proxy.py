@@ -269,7 +269,6 @@ async def test_a_hostile_proxy_fails_as_with_the_default_transport(
     assert seen["slabnet"] == seen["default"]
     assert isinstance(seen["slabnet"], type) and issubclass(seen["slabnet"], httpx.TransportError)
     assert left["slabnet"] == 0
-    assert left["default"] == (1 if how.startswith("ok-then") else 0)
 
 
 @pytest.mark.asyncio
@@ -301,4 +300,6 @@ async def test_failed_tunnels_do_not_use_up_the_pool(tls_client_context: ssl.SSL
     finally:
         server.close()
     assert seen["slabnet"] == [httpx.ConnectError] * 5
-    assert seen["default"] == [httpx.ConnectError] * 2 + [httpx.PoolTimeout] * 3
+    # (httpcore 1.0.9 under the default transport: two ConnectError, then
+    # PoolTimeout; not asserted, so that httpcore's fix does not fail this.)
+    assert seen["default"][:2] == [httpx.ConnectError] * 2
