@@ -434,7 +434,7 @@ class TLSTransport(WriteGate):
         )
 
     def pause_reading(self) -> None:
-        self._note_pause()
+        self._note_pause(not self._reading_paused)
         if self._reading_paused or self._closing:
             # (After close(), reading goes on to the peer's close_notify,
             # as asyncio's shutdown reads, and drops what it reads.)

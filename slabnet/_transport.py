@@ -291,7 +291,7 @@ class WriteGate(_FlowControlBase):
 
     __slots__ = (
         "_high", "_low", "_eof_requested", "_dropped_writes",
-        "_sending_file", "_resume_after",
+        "_sending_file", "_reading_before", "_resume_after",
     )
 
     if _SENDFILE:
@@ -306,6 +306,7 @@ class WriteGate(_FlowControlBase):
         self._eof_requested = False
         self._dropped_writes = 0  # writes after close()/abort()/the connection went
         self._sending_file = False  # loop.sendfile()'s fallback protocol is set
+        self._reading_before = True  # the app read before the last pause_reading()
         self._resume_after = False  # reading resumes once the app's protocol is back
 
     def get_write_buffer_size(self) -> int:
@@ -378,23 +379,28 @@ class WriteGate(_FlowControlBase):
     #
     # The fallback pauses reading, sets its own protocol, whose
     # data_received() raises, and at the end sets the app's back and
-    # resumes reading if it was reading at the start. Meanwhile the app may
-    # read its stream: a stream that paused reading at its limit resumes it
-    # once it is read below the limit, or waits for more, and the bytes
-    # would go to the fallback's protocol. So while that protocol is set,
-    # resume_reading() and pause_reading() only note what the app wants:
-    # the socket stays paused (what arrives waits in the kernel, bounded),
-    # and reading resumes when the app's protocol is back if the app
-    # resumed it meanwhile (the fallback resumes it if the app read when
-    # the send began). The fallback's protocol is
-    # recognised by its class: nothing else tells its set_protocol() from
+    # resumes reading if is_reading() said True at the start. Meanwhile the
+    # app may read its stream: a stream that paused reading at its limit
+    # resumes it once it is read below the limit, or waits for more, and
+    # the bytes would go to the fallback's protocol. So while that protocol
+    # is set, resume_reading() and pause_reading() only note what the app
+    # wants: the socket stays paused (what arrives waits in the kernel,
+    # bounded), and reading resumes when the app's protocol is back if the
+    # app read before the send (its own state: a TLS transport whose reads
+    # wait for the peer says False, and the fallback would leave it paused
+    # for good) or resumed during it. The fallback's protocol is recognised
+    # by its class: nothing else tells its set_protocol() from
     # loop.start_tls()'s, which also comes with reading paused, and whose
     # protocol must get the bytes.
 
-    def _note_pause(self) -> None:
-        """``pause_reading()`` was called."""
+    def _note_pause(self, reading: bool) -> None:
+        """``pause_reading()`` was called, with the app reading before it if
+        ``reading`` (before the fallback's pause: the app's state at the
+        start of the send, which is_reading() does not tell for TLS, where
+        the plain connection may be paused by itself)."""
         if self._sending_file:
             self._resume_after = False
+        self._reading_before = reading
 
     def _note_resume(self) -> bool:
         """``resume_reading()`` was called: False if it must wait for the
@@ -410,7 +416,7 @@ class WriteGate(_FlowControlBase):
         was = self._sending_file
         self._sending_file = protocol.__class__ is _SENDFILE_PROTOCOL
         if self._sending_file and not was:
-            self._resume_after = False
+            self._resume_after = self._reading_before  # (before the fallback's pause)
         return was and not self._sending_file and self._resume_after
 
     # ------------------------------------------------ STARTTLS
@@ -554,7 +560,7 @@ class SlabTransport(WriteGate):
 
     def pause_reading(self) -> None:
         if self._state is not _State.CLOSED:
-            self._note_pause()
+            self._note_pause(self._proto.is_reading())
             self._proto.pause_reading()
 
     def resume_reading(self) -> None:

@@ -14,6 +14,7 @@ import contextlib
 import hashlib
 import os
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import Handler, client_ctx, server_ctx
+from conftest import Handler, RawTLS, client_ctx, server_ctx
 
 WAKE = 10.0  # seconds any waiter may take
 LIBS = (asyncio, slabnet)
@@ -591,6 +592,73 @@ async def test_sendfile_end_arrives_while_a_paused_stream_reads(
                                 assert w.transport.is_closing()
                 await asyncio.sleep(0.05)  # (connection_lost's errors, if any)
     assert errors == []
+
+
+@pytest.mark.asyncio
+async def test_sendfile_when_tls_reads_wait_for_the_peer(tls_ca: Any, server_cert: Any) -> None:
+    # A TLS transport stops its reads by itself while the peer leaves its
+    # answers (KeyUpdates) unread: is_reading() is False, the stream's
+    # reader is not paused. The fallback saw "not reading", paused the
+    # transport (the app's pause, for our TLS layer) and never resumed it:
+    # once the peer read the answers and the file, the plain connection
+    # stayed paused, and the stream, which had paused nothing, waited for
+    # good. Now reading resumes after the send, as the app had it before.
+    if uvloop_running():
+        return await uvloop_refuses(True, tls_ca, server_cert)
+    loop = asyncio.get_running_loop()
+    small = 16 * 1024  # socket buffers: the answers back up soon
+    listener = socket.socket()
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, small)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, small)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    served: asyncio.Future[tuple[Any, Any]] = loop.create_future()
+
+    async def handle(r: Any, w: Any) -> None:
+        served.set_result((r, w))
+
+    server = await slabnet.start_server(
+        handle, sock=listener, ssl=server_ctx(server_cert, ssl.TLSVersion.TLSv1_3)
+    )
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, small)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, small)
+    data = os.urandom(1 << 20)
+    try:
+        async with asyncio.timeout(WAKE):
+            await loop.sock_connect(sock, listener.getsockname())
+            peer = RawTLS(
+                sock, client_ctx(tls_ca, ssl.TLSVersion.TLSv1_3), server_side=False,
+                server_hostname="localhost",
+            )
+            await peer.handshake()
+            r, w = await served
+        sent = 0
+        for _ in range(3000):  # far more answers than any socket buffers take
+            wire = b""
+            for _ in range(10):
+                peer.request_key_update()
+                wire += peer.seal(b"k")
+                sent += 1
+            async with asyncio.timeout(WAKE):
+                await peer.send(wire)
+                await asyncio.sleep(0)
+            if not w.transport.is_reading():
+                break
+        assert not w.transport.is_reading()
+        with a_file(data) as f:
+            async with asyncio.timeout(WAKE):
+                sending = asyncio.ensure_future(loop.sendfile(w.transport, f))
+                assert await peer.recv_plain(len(data)) == data  # (and our answers)
+                assert await sending == len(data)
+                await peer.send(peer.seal(b"after"))
+                await peer.flush()
+                assert await r.readexactly(sent + 5) == b"k" * sent + b"after"
+    finally:
+        sock.close()
+        server.close()
+        async with asyncio.timeout(WAKE):
+            await server.wait_closed()
 
 
 # ---------------------------------------------------------------- the API, item by item
