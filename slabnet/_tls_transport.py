@@ -167,6 +167,7 @@ class TLSTransport(WriteGate):
         app_paused: bool = False,
     ) -> None:
         super().__init__(loop=loop)  # (sets _loop)
+        self._init_gate()  # (before set_protocol, which the gate watches)
         self._app: Any
         self._deliver: Any
         self.set_protocol(app)
@@ -210,7 +211,6 @@ class TLSTransport(WriteGate):
         # Requests whose plaintext the engine holds until a renegotiation
         # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
         self._held: list[WriteRequest] = []
-        self._init_gate()
         if app_paused:
             # STARTTLS on a plain connection whose writing is paused: the app
             # has had pause_writing and waits for its resume, which is ours
@@ -391,6 +391,8 @@ class TLSTransport(WriteGate):
         deliver, _ = chunk_deliverer(protocol)
         self._app = protocol
         self._deliver = deliver
+        if self._sendfile_swap(protocol):
+            self.resume_reading()
 
     # STARTTLS inside this session: WriteGate.upgrade_tls (TLS inside TLS,
     # as a client reaches a TLS destination through a TLS proxy).
@@ -432,6 +434,7 @@ class TLSTransport(WriteGate):
         )
 
     def pause_reading(self) -> None:
+        self._note_pause(not self._reading_paused)
         if self._reading_paused or self._closing:
             # (After close(), reading goes on to the peer's close_notify,
             # as asyncio's shutdown reads, and drops what it reads.)
@@ -441,8 +444,8 @@ class TLSTransport(WriteGate):
         self._lower.pause_reading()
 
     def resume_reading(self) -> None:
-        if self._stage is _Stage.DONE:
-            return
+        if self._stage is _Stage.DONE or not self._note_resume():
+            return  # (gone, or sending a file: WriteGate._note_resume)
         was_paused = self._reading_paused
         self._reading_paused = False
         self._resume_lower(was_paused)

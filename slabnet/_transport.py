@@ -69,6 +69,7 @@ import logging
 import os
 import ssl
 import weakref
+from asyncio import base_events as asyncio_base_events
 from asyncio import constants as asyncio_constants
 from asyncio import transports as asyncio_transports
 from collections.abc import Iterable
@@ -256,6 +257,13 @@ else:
 #: loop.sendfile() takes a transport of ours (by asyncio's fallback).
 _SENDFILE: Final = not issubclass(_FlowControlStandIn, _FlowControlBase)
 
+#: The protocol the fallback sets for the time of the send (private, as the
+#: mixin: CPython 3.8 to 3.13 have it), recognised by WriteGate.set_protocol
+#: (see _sendfile_swap); None where there is no sendfile.
+_SENDFILE_PROTOCOL: Final = (
+    getattr(asyncio_base_events, "_SendfileFallbackProtocol", None) if _SENDFILE else None
+)
+
 
 class WriteGate(_FlowControlBase):
     """What every slabnet transport does the same way around its writes:
@@ -275,12 +283,16 @@ class WriteGate(_FlowControlBase):
     other slots (``_high_water``, ``_low_water``) go unused. The fallback
     swaps the protocol for its own (``set_protocol``) with reading paused,
     and restores it, then resumes reading: what arrived meanwhile is held
-    (``SlabProtocol._hold``) and delivered to the app after. uvloop's
-    ``sendfile`` is asyncio's abstract one: NotImplementedError for every
-    transport, its own too.
+    (``SlabProtocol._hold``) and delivered to the app after. The app may
+    read its stream meanwhile, and reading stays paused until its protocol
+    is back (``_sendfile_swap``). uvloop's ``sendfile`` is asyncio's
+    abstract one: NotImplementedError for every transport, its own too.
     """
 
-    __slots__ = ("_high", "_low", "_eof_requested", "_dropped_writes")
+    __slots__ = (
+        "_high", "_low", "_eof_requested", "_dropped_writes",
+        "_sending_file", "_reading_before", "_resume_after",
+    )
 
     if _SENDFILE:
         _sendfile_compatible = _SENDFILE_FALLBACK
@@ -293,6 +305,9 @@ class WriteGate(_FlowControlBase):
         self._protocol_paused = False
         self._eof_requested = False
         self._dropped_writes = 0  # writes after close()/abort()/the connection went
+        self._sending_file = False  # loop.sendfile()'s fallback protocol is set
+        self._reading_before = True  # the app read before the last pause_reading()
+        self._resume_after = False  # reading resumes once the app's protocol is back
 
     def get_write_buffer_size(self) -> int:
         raise NotImplementedError
@@ -359,6 +374,50 @@ class WriteGate(_FlowControlBase):
                 "message": f"protocol.{name}() failed",
                 "exception": exc, "transport": self, "protocol": app,
             })
+
+    # ------------------------------------------------ reading during loop.sendfile()
+    #
+    # The fallback pauses reading, sets its own protocol, whose
+    # data_received() raises, and at the end sets the app's back and
+    # resumes reading if is_reading() said True at the start. Meanwhile the
+    # app may read its stream: a stream that paused reading at its limit
+    # resumes it once it is read below the limit, or waits for more, and
+    # the bytes would go to the fallback's protocol. So while that protocol
+    # is set, resume_reading() and pause_reading() only note what the app
+    # wants: the socket stays paused (what arrives waits in the kernel,
+    # bounded), and reading resumes when the app's protocol is back if the
+    # app read before the send (its own state: a TLS transport whose reads
+    # wait for the peer says False, and the fallback would leave it paused
+    # for good) or resumed during it. The fallback's protocol is recognised
+    # by its class: nothing else tells its set_protocol() from
+    # loop.start_tls()'s, which also comes with reading paused, and whose
+    # protocol must get the bytes.
+
+    def _note_pause(self, reading: bool) -> None:
+        """``pause_reading()`` was called, with the app reading before it if
+        ``reading`` (before the fallback's pause: the app's state at the
+        start of the send, which is_reading() does not tell for TLS, where
+        the plain connection may be paused by itself)."""
+        if self._sending_file:
+            self._resume_after = False
+        self._reading_before = reading
+
+    def _note_resume(self) -> bool:
+        """``resume_reading()`` was called: False if it must wait for the
+        end of a sendfile."""
+        if self._sending_file:
+            self._resume_after = True
+            return False
+        return True
+
+    def _sendfile_swap(self, protocol: asyncio.BaseProtocol) -> bool:
+        """``set_protocol(protocol)``: True if reading must resume now
+        (the app's protocol is back after a send, and the app reads)."""
+        was = self._sending_file
+        self._sending_file = protocol.__class__ is _SENDFILE_PROTOCOL
+        if self._sending_file and not was:
+            self._resume_after = self._reading_before  # (before the fallback's pause)
+        return was and not self._sending_file and self._resume_after
 
     # ------------------------------------------------ STARTTLS
 
@@ -488,6 +547,8 @@ class SlabTransport(WriteGate):
 
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         self._proto.set_upper(protocol)
+        if self._sendfile_swap(protocol):
+            self.resume_reading()
 
     # ------------------------------------------------ reading
 
@@ -499,10 +560,13 @@ class SlabTransport(WriteGate):
 
     def pause_reading(self) -> None:
         if self._state is not _State.CLOSED:
+            self._note_pause(self._proto.is_reading())
             self._proto.pause_reading()
 
     def resume_reading(self) -> None:
-        if not self._closing:  # (a closed connection reads no more, as asyncio's)
+        # (A closed connection reads no more, as asyncio's; nor one that
+        # sends a file: WriteGate._note_resume.)
+        if not self._closing and self._note_resume():
             self._proto.resume_reading()
 
     # ------------------------------------------------ writing: public
