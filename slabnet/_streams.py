@@ -102,7 +102,8 @@ _BytesLike = bytes | bytearray | memoryview
 class _BufferCopy(bytes):
     """What ``StreamReader._buffer`` returns: a ``bytes`` copy of the unread
     bytes that takes ``copy[0:0] = data`` and puts ``data`` back in front
-    of them in the reader (the copy itself does not change)."""
+    of them in the reader, and ``copy.clear()``, which discards them in the
+    reader (the copy itself does not change)."""
 
     _reader: StreamReader
 
@@ -122,9 +123,16 @@ class _BufferCopy(bytes):
     def __delitem__(self, key: slice) -> None:
         raise TypeError(_ONLY_PUT_BACK)
 
+    def clear(self) -> None:
+        """Discard every unread byte in the reader, as ``clear()`` on
+        asyncio's bytearray does (aiosmtpd drops the plaintext left after
+        STARTTLS so, RFC 3207 section 4.2); a paused reader reads on."""
+        self._reader._buffer = b""
+
 
 _ONLY_PUT_BACK: Final = (
     "a slabnet reader's _buffer takes only bytes put back in front (_buffer[0:0] = data)"
+    " and clear()"
 )
 
 
@@ -233,7 +241,8 @@ class StreamReader:
         answer as asyncio's would. The one change it takes is asyncio's way
         of putting bytes back in front, ``_buffer[0:0] = data`` (pproxy
         reads a connection's first bytes to guess its protocol, then puts
-        them back so); any other raises ``TypeError``."""
+        them back so), and ``_buffer.clear()``, which discards them all
+        (aiosmtpd, after STARTTLS); any other raises ``TypeError``."""
         if not self._size:
             return _BufferCopy(b"", self)
         parts: list[_BytesLike] = list(self._chunks or ())
