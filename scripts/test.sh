@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need into .venv, then runs the
 # type check, the benchmark smoke run and the test suite (both loops); then
-# the core, write-path, TLS engine, plugin and soak tests again on Python 3.12
-# and the whole suite on 3.13, where found on the machine (each in its own
-# .venv-3.X). As root, it first installs the Debian packages of the real
-# peers (scripts/_peers.sh). Every test runs under a time limit
-# (pytest-timeout, from the test extra; pyproject.toml).
+# the core, TLS engine, plugin and version-sensitive tests again on Python
+# 3.12 and all but the httpx and example tests on 3.13, where found on the
+# machine (each in its own .venv-3.X). As root, it first installs the
+# Debian packages of the real peers (scripts/_peers.sh). Every test runs
+# under a time limit (pytest-timeout, from the test extra; pyproject.toml).
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/_peers.sh"
 echo "== mypy --strict"
@@ -20,19 +20,15 @@ other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py
              tests/test_plugin.py  # Server.wait_closed() waits for connections from 3.12
              tests/test_reader_hardening.py  # tuple separators from 3.13
              tests/test_writer_hardening.py  # Server.close_clients() from 3.13
-             tests/test_adaptive_reads.py
              tests/test_lifetime.py tests/test_leaks.py  # reference cycles, per version's gc
              tests/test_loop_lifecycle.py  # Server.wait_closed() waits from 3.12
-             tests/test_write_audit.py tests/test_streams_audit.py
-             tests/test_conn_hardening.py tests/test_server_audit.py
-             tests/test_asyncio_parity.py tests/test_tls_parity.py
-             tests/test_uvloop_parity.py tests/test_events_parity.py
-             tests/test_library_parity.py tests/test_cancel_audit.py
-             tests/test_fault_audit.py tests/test_suite_parity.py
+             tests/test_suite_parity.py  # CPython 3.12's own stream tests, ported
              tests/test_unix_streams.py  # cleanup_socket, the socket file by version
-             tests/test_messaging_parity.py
              tests/test_fuzz_parity.py)  # tuple separators from 3.13
-[ -f tests/test_soak.py ] && other_tests+=(tests/test_soak.py)
+# On 3.13, all but the httpx transport's and the examples' tests (pure
+# Python above slabnet's streams, run on 3.11), to keep CI under 20 minutes.
+newest_skip=(--ignore=tests/test_httpx.py --ignore=tests/test_httpx_hostile.py
+             --ignore=tests/test_httpx_proxy.py --ignore=tests/test_examples.py)
 for minor in 3.12 3.13; do
     py=""
     if command -v pyenv >/dev/null; then
@@ -53,10 +49,10 @@ for minor in 3.12 3.13; do
         touch "$venv/.slabnet-installed"
     fi
     if [ "$minor" = 3.13 ]; then
-        # The newest Python runs everything: the TLS suites meet its ssl
-        # module and its timing there too.
-        echo "== pytest on Python $minor: all tests"
-        "$venv/bin/python" -m pytest -q
+        # The newest Python runs nearly everything: the TLS suites meet its
+        # ssl module and its timing there too.
+        echo "== pytest on Python $minor: all tests but ${newest_skip[*]}"
+        "$venv/bin/python" -m pytest -q "${newest_skip[@]}"
     else
         echo "== pytest on Python $minor: ${other_tests[*]}"
         "$venv/bin/python" -m pytest -q "${other_tests[@]}"
