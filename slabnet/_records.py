@@ -408,6 +408,13 @@ class RecordScanner:
             avail = self.fed
         return run is not None and run[_START] + (i + 1) * run[_SIZE] <= avail
 
+    def data_next(self, consumed: int) -> bool:
+        """True if the record that holds stream offset `consumed` -- the
+        next one after the first `consumed` bytes, complete or not -- is
+        application_data."""
+        run, _ = self._locate(consumed)
+        return run is not None and run[_TYPE] == APPLICATION_DATA
+
     def data_run(
         self, consumed: int, budget: int, avail: int | None = None
     ) -> tuple[int, int, int, int]:

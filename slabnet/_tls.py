@@ -51,7 +51,14 @@ ciphertext of its own, so the shell sends ``data_to_send()`` after every read
 batch.  During a TLS 1.2 renegotiation ``SSLObject.write`` can itself raise
 ``SSLWantReadError`` before it encrypts anything; the engine keeps such
 writes (as private copies, so the retry passes the same bytes, which OpenSSL
-requires) and retries them after the next read batch.
+requires) and retries them after the next read batch.  While the client waits
+for the ServerHello the server may still send data, and the handshake step
+that ``SSLObject.write`` runs first reads the next record: data there breaks
+the connection (an "unexpected record" alert, or -- once a read has returned
+such data -- a failure with no error at all, ``SSLEOFError``).  So after a
+renegotiation may have begun (a TLS 1.2 record without data was read), data
+in front of the next write is read first: a retry waits for the read side to
+take it, a new write decrypts it into the chunks ``read_chunk`` returns next.
 
 Record coalescing
 -----------------
@@ -300,6 +307,7 @@ class _Op(enum.Enum):
 
 _EOF: Final = object()  # the read side ended cleanly
 _AGAIN: Final = object()  # a read made progress but produced no data
+_IN_INIT: Final = object()  # SSL_shutdown refused: a renegotiation is running
 
 
 def _c_read(sslobj: ssl.SSLObject) -> Any:
@@ -332,6 +340,7 @@ class TLSEngine:
         "_leftover",
         "_held",
         "_blocked",
+        "_renegotiating",
         "_avail",
         "_lent",
         "_lent_pos",
@@ -383,8 +392,12 @@ class TLSEngine:
         self._leftover = False  # OpenSSL may hold decrypted bytes
         # Both rarely hold anything: lists (an empty deque costs 760 bytes
         # per connection, an empty list 56).
-        self._held: list[memoryview] = []  # drained at shutdown
+        self._held: list[memoryview] = []  # decrypted before its turn
         self._blocked: list[bytes] = []  # writes waiting for a handshake
+        # TLS 1.2: a record without data was read since the last write went
+        # through, so SSLObject.write may run a handshake step (see the
+        # module docstring).
+        self._renegotiating = False
         # Stream offset up to which ciphertext is in the incoming BIO,
         # counted from what went in (the scanner may have parsed further, see
         # lend_data, or, after an invalid header, accepted less: the start
@@ -607,6 +620,8 @@ class TLSEngine:
         output of their own: send ``data_to_send_many()``, then call again.
         """
         self.answers_stopped = False
+        if self._held:
+            return self._held.pop(0)  # (bytes in front of the end, if any)
         final = self._read_final
         if final is not None:
             if final is _EOF:
@@ -614,8 +629,6 @@ class TLSEngine:
             raise final  # type: ignore[misc]
         if self._state is _HANDSHAKING:
             return None
-        if self._held:
-            return self._held.pop(0)
         # One batch, as described in the module docstring; again after a
         # record without data (_AGAIN) or when lent input remains.
         incoming = self._incoming
@@ -650,7 +663,7 @@ class TLSEngine:
                                 self._leftover = True  # see the over-read note
                             self.chunks_returned += 1
                             chunk = memoryview(first)
-                            if not self._blocked:
+                            if not self._blocked and not self._shutdown_after_writes:
                                 return chunk
                             result = chunk
                 elif count < 0 and not sslobj.pending():
@@ -674,7 +687,7 @@ class TLSEngine:
                     self._top_up()
                 continue
             break
-        if self._blocked:
+        if self._blocked or self._shutdown_after_writes:
             self._retry_blocked_writes()
         if result is None:
             if self._input_closed or self._scanner.error is not None:
@@ -810,12 +823,14 @@ class TLSEngine:
     def _retry_blocked_writes(self) -> None:
         blocked = self._blocked
         while blocked and self._state is not _BROKEN:
+            if self._data_ahead():
+                return  # read first (see _read_ahead); retried after that read
             if self._ssl_io(_Op.WRITE, blocked[0]) is _AGAIN:
                 return
             self.released_plaintext += len(blocked[0])
             del blocked[0]
             self._seal_if_full()
-        if self._shutdown_after_writes and not blocked:
+        if self._shutdown_after_writes and not blocked and self._state is _OPEN:
             self._shutdown_after_writes = False
             self._send_close_notify()
 
@@ -875,6 +890,11 @@ class TLSEngine:
                 self._incoming.write(saved)
         if self._state is _BROKEN:
             return
+        if result is _IN_INIT:
+            # A TLS 1.2 renegotiation is running: OpenSSL sends no alert
+            # before it ends. Retried after each read, as a held write is.
+            self._shutdown_after_writes = True
+            return
         if result is _AGAIN and self._read_final is None:
             self._set_state(_CLOSING)
         else:
@@ -883,6 +903,51 @@ class TLSEngine:
 
     def _leftover_pending(self) -> bool:
         return self.ssl_object.pending() > 0
+
+    def _data_ahead(self) -> bool:
+        """True if OpenSSL holds decrypted bytes, or the next record in the
+        incoming BIO (complete or not) is application data."""
+        if self.ssl_object.pending():
+            return True
+        pending = self._incoming.pending
+        return bool(pending) and self._scanner.data_next(self._avail - pending)
+
+    def _read_ahead(self) -> None:
+        """Before a write while a TLS 1.2 renegotiation may run: decrypt the
+        data in front of the next record without data into ``_held``, which
+        read_chunk returns first.  ``SSLObject.write`` would otherwise run a
+        handshake step that reads it, and the connection would break (see
+        the module docstring).  An error on the way is kept for the read
+        side (after these bytes), as every read's is."""
+        incoming = self._incoming
+        while self._read_final is None and self._state is not _BROKEN:
+            pending = incoming.pending
+            if pending < _LEND_LOW and self._lent is not None:
+                self._top_up()
+                pending = incoming.pending
+            if not self._data_ahead():
+                return
+            fed = self._avail
+            end, bound, count, weight = self._scanner.data_run(
+                fed - pending, self._max_chunk, fed
+            )
+            if count < 0 and not self.ssl_object.pending():
+                return  # a record not complete yet: the write only reads its start
+            if self._leftover or self.ssl_object.pending():
+                end, bound, count, weight = fed - pending, 0, 0, 0
+            try:
+                result = self._read_batch(fed, pending, end, bound, count, weight)
+            except ssl.SSLError:
+                return  # (kept: _read_failed)
+            if not isinstance(result, memoryview):
+                return
+            self._held.append(result)
+
+    @property
+    def plaintext_waiting(self) -> bool:
+        """True if decrypted bytes wait for read_chunk without any new input
+        (a write decrypted them first, see ``_read_ahead``)."""
+        return bool(self._held)
 
     # -- the SSLObject choke point ------------------------------------------
 
@@ -896,8 +961,11 @@ class TLSEngine:
         sslobj = self.ssl_object
         try:
             if op is _Op.WRITE:
+                if self._renegotiating:
+                    self._read_ahead()
                 self.write_calls += 1
                 sslobj.write(data)  # type: ignore[arg-type]
+                self._renegotiating = False  # (a handshake step would have raised)
             elif op is _Op.HANDSHAKE:
                 sslobj.do_handshake()
             else:
@@ -908,6 +976,8 @@ class TLSEngine:
                     self._blocked.append(bytes(data))  # type: ignore[arg-type]
             return _AGAIN
         except ssl.SSLError as exc:
+            if op is _Op.SHUTDOWN and exc.reason == "SHUTDOWN_WHILE_IN_INIT":
+                return _IN_INIT  # (nothing changed: OpenSSL refused at once)
             raise self._break(exc)
         return None
 
@@ -955,6 +1025,10 @@ class TLSEngine:
         mapped = -1  # len(parts) before the map, once it started
         try:
             if count <= 0:
+                if self._tls12:
+                    # A record that is not data (a HelloRequest, a client's
+                    # ClientHello) may be next, or was: see _read_ahead.
+                    self._renegotiating = True
                 calls = 1
                 first = read(self._max_chunk)
                 if not first:

@@ -459,7 +459,9 @@ class TLSTransport(WriteGate):
         assert self._lower is not None
         self._lower.resume_reading()
         engine = self._engine
-        if held and engine is not None and engine.buffered_ciphertext:
+        if held and engine is not None and (
+            engine.buffered_ciphertext or engine.plaintext_waiting
+        ):
             # Records that arrived before the pause are delivered first.
             self._loop.call_soon(self._pump)
 
@@ -689,6 +691,11 @@ class TLSTransport(WriteGate):
         if reqs:
             self._reqs = []
             self._track(reqs)
+        if engine.plaintext_waiting and not self._reading_paused:
+            # During a renegotiation the write decrypted the data in front
+            # of it first (TLSEngine._read_ahead): no new input may come to
+            # deliver it.
+            self._loop.call_soon(self._pump)
 
     def _track(self, reqs: list[WriteRequest]) -> None:
         """Make ``reqs`` complete once the ciphertext queued so far is sent,

@@ -612,9 +612,13 @@ async def test_tls_in_tls_through_stunnel_to_s_server(
     reading = asyncio.ensure_future(asyncio.wait_for(reader.readexactly(half), WAKE))
     await in_thread(pipe_write, s_server.stdin, down[:half])
     assert await reading == down[:half]
-    # s_server has read all of its input: the command is a read of its own
+    # s_server has read all of its input: the command is a read of its own,
+    # and so must the input after it be (s_server drops the rest of a read
+    # that starts with a command): it is written once the command's status
+    # line shows (s_server flushes it with the next data it prints).
     await in_thread(pipe_write, s_server.stdin, command + b"\n")
     writer.write(up[len(up) // 2 :])
+    await wait_output(peers, "s_server.out", b"SSL_do_handshake -> ")
     reading = asyncio.ensure_future(asyncio.wait_for(reader.readexactly(len(down) - half), WAKE))
     await in_thread(pipe_write, s_server.stdin, down[half:])
     assert await reading == down[half:]

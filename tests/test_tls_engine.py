@@ -6,6 +6,7 @@ plain blocking socket against real ``openssl s_server`` / ``s_client``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -1135,6 +1136,113 @@ def renegotiate_from_s_server(srv: OpenSSLProc, pump: Pump, engine: TLSEngine) -
     engine.write(b"AFTER-FROM-CLIENT\n")
     pump.flush()
     srv.wait_for(rb"AFTER-FROM-CLIENT")
+
+
+@contextlib.contextmanager
+def s_server_renegotiating(
+    pem_files: tuple[str, str], ca: trustme.CA, server_cert: trustme.LeafCert,
+) -> Iterator[tuple[OpenSSLProc, Pump, bytes]]:
+    """A TLS 1.2 engine over a socket to s_server, which has sent a
+    HelloRequest; the engine has read it and answered with a ClientHello,
+    which is kept back (yielded): the server sends on without answering."""
+    server_pem, _ = pem_files
+    srv = OpenSSLProc(
+        ["s_server", "-accept", "127.0.0.1:0", "-cert", server_pem, "-tls1_2", "-naccept", "1"]
+    )
+    try:
+        port = int(srv.wait_for(rb"ACCEPT 127\.0\.0\.1:(\d+)").group(1))
+        cctx, _ = contexts(ca, server_cert, ssl.TLSVersion.TLSv1_2)
+        cctx.set_ciphers("ECDHE+AESGCM")  # 29 bytes a record on top of its data
+        engine = TLSEngine(cctx, server_hostname="localhost")
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            pump = Pump(sock, engine)
+            pump.handshake()
+            srv.wait_for(rb"Secure Renegotiation")
+            srv.send(b"r\n")  # s_server: renegotiate (a command must come alone)
+            block_until_records(sock.fileno(), lambda recs: len(recs) == 1 and recs[0][0] == 22)
+            engine.receive_data(sock.recv(65536))  # the HelloRequest, all there is
+            assert engine.read_chunk() is None
+            hello = engine.data_to_send()
+            assert hello[:1] == b"\x16"
+            yield srv, pump, hello
+    finally:
+        srv.close()
+
+
+def until_s_server_has(srv: OpenSSLProc, pump: Pump, needle: bytes) -> None:
+    deadline = time.monotonic() + 15
+    while needle not in srv.output():
+        assert time.monotonic() < deadline, srv.output()[-2000:]
+        pump.recv_once(0.05)
+        pump.read_available()
+
+
+@pytestmark_interop
+@pytest.mark.parametrize("write", ["before", "after"])
+def test_data_behind_a_hello_request_while_a_write_waits(
+    write: str, pem_files: tuple[str, str], ca: trustme.CA, server_cert: trustme.LeafCert,
+) -> None:
+    """A TLS 1.2 client renegotiates (s_server's HelloRequest, our
+    ClientHello) and the server sends data on before it answers. While the
+    client waits for the ServerHello, SSLObject.write first runs the
+    handshake, which reads the next record: application data there is an
+    "unexpected record" (a fatal alert), or, once a read has returned such
+    data, a failure with no error at all (SSLEOFError). The engine retried
+    a held write after each chunk of a read with more records behind it
+    (TLS-in-TLS through stunnel to s_server lost its connection so, one
+    run in a hundred under load), and wrote at once with records unread.
+    Now the data is read first: every byte arrives, then the write."""
+    with s_server_renegotiating(pem_files, ca, server_cert) as (srv, pump, hello):
+        engine, sock = pump.engine, pump.sock
+        if write == "before":
+            engine.write(b"HELD-WRITE\n")  # nothing to read yet: it waits
+            assert engine.held_plaintext == len(b"HELD-WRITE\n")
+        data = hex_payload(60_000)  # s_server sends it 16 KiB a record
+        srv.send(data)
+        block_until_records(sock.fileno(), lambda recs: sum(r[2] - 29 for r in recs) >= len(data))
+        sock.setblocking(False)
+        while True:
+            try:
+                engine.receive_data(sock.recv(1 << 20))
+            except BlockingIOError:
+                break
+        if write == "after":
+            engine.write(b"HELD-WRITE\n")  # records unread in front of the handshake
+        got = bytearray()
+        while (chunk := engine.read_chunk()) is not None:
+            assert len(chunk)
+            got += chunk
+        assert got == data
+        assert engine.held_plaintext == len(b"HELD-WRITE\n")
+        assert engine.data_to_send() == b""  # (no alert)
+        sock.setblocking(True)
+        sock.sendall(hello)
+        pump.received = got
+        until_s_server_has(srv, pump, b"HELD-WRITE")
+        assert engine.held_plaintext == 0
+        srv.send(b"AFTER-RENEGOTIATION\n")
+        pump.read_until(lambda: pump.received.endswith(b"AFTER-RENEGOTIATION\n"))
+        assert bytes(pump.received) == data + b"AFTER-RENEGOTIATION\n"
+
+
+@pytestmark_interop
+def test_shutdown_during_a_renegotiation_waits_for_it(
+    pem_files: tuple[str, str], ca: trustme.CA, server_cert: trustme.LeafCert,
+) -> None:
+    """OpenSSL refuses SSL_shutdown while a handshake runs
+    (SHUTDOWN_WHILE_IN_INIT): the engine broke, and a stream closed during
+    a server's renegotiation ended with that SSLError, without close_notify.
+    Now the close_notify goes once the renegotiation is done."""
+    with s_server_renegotiating(pem_files, ca, server_cert) as (srv, pump, hello):
+        engine = pump.engine
+        engine.start_shutdown()
+        assert engine.state is TLSState.OPEN  # not yet: nothing can be sent
+        assert engine.data_to_send() == b""
+        with pytest.raises(RuntimeError, match="cannot write"):
+            engine.write(b"too late")
+        pump.sock.sendall(hello)
+        until_s_server_has(srv, pump, b"DONE")  # s_server: close_notify received
+        assert engine.state in (TLSState.CLOSING, TLSState.CLOSED)
 
 
 def key_update_from_s_server(srv: OpenSSLProc, pump: Pump, engine: TLSEngine) -> None:

@@ -26,7 +26,7 @@ import pytest
 import slabnet
 from conftest import ForgedTLS12, RawTLS, block_until_records, client_ctx, forgeable, server_ctx
 from slabnet._slab import LEND_SIZE
-from slabnet._tls import _DRAIN_AT, _LEND_LOW, LEND_PIECE
+from slabnet._tls import _DRAIN_AT, _LEND_LOW, LEND_PIECE, TLSState
 from slabnet._tls_transport import ANSWERS_MAX
 from test_writer_hardening import WAKE, shrink, small_listener  # noqa: F401 (a fixture)
 from test_tls_streams import connect_retry, free_port, pem_files  # noqa: F401 (fixture)
@@ -100,6 +100,19 @@ class SServer:
             thread.join(10)
         self.stdin.close()
         self.stdout.close()
+
+
+async def renegotiating(srv: SServer, fd: int) -> None:
+    """s_server sends a HelloRequest and stops before it can answer our
+    ClientHello; returns once the engine has read the request (and is
+    renegotiating)."""
+    srv.command(b"r\n")  # s_server: renegotiate
+    block_until_records(fd, lambda recs: any(r[0] == 22 for r in recs))  # HelloRequest
+    srv.stop()
+    async with asyncio.timeout(WAKE):
+        while unread(fd):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.05)
 
 
 @pytest.mark.asyncio
@@ -198,13 +211,7 @@ async def test_writes_a_renegotiation_held_do_not_stop_the_reads(
         )
         engine = writer.transport._engine
         fd = sock.fileno()
-        srv.command(b"r\n")  # s_server: renegotiate
-        block_until_records(fd, lambda recs: any(r[0] == 22 for r in recs))  # HelloRequest
-        srv.stop()  # it cannot finish the handshake yet
-        async with asyncio.timeout(WAKE):
-            while unread(fd):  # the engine reads the HelloRequest, renegotiates
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)
+        await renegotiating(srv, fd)
         writer.write(held)
         await asyncio.sleep(0.05)  # the end-of-iteration flush ran
         assert engine.held_plaintext == len(held)
@@ -394,3 +401,30 @@ async def test_one_read_of_renegotiation_requests_queues_little(
         sock.close()
         server.close()
         await server.wait_closed()
+
+
+# ------------------------------------------------ close during a renegotiation
+
+
+@pytest.mark.asyncio
+async def test_close_during_a_renegotiation_sends_close_notify_after_it(
+    pem_files: dict[str, str],  # noqa: F811
+) -> None:
+    """A stream closed while the server's renegotiation runs: OpenSSL
+    refuses SSL_shutdown until it is done (SHUTDOWN_WHILE_IN_INIT), and
+    wait_closed() raised that SSLError, no close_notify sent. Now the
+    close_notify follows the renegotiation, and the close is clean."""
+    port = free_port()
+    with SServer(port, pem_files) as srv:
+        ctx = ssl.create_default_context(cafile=pem_files["ca"])
+        reader, writer = await connect_retry(port, ssl=ctx, server_hostname="localhost")
+        fd = writer.get_extra_info("socket").fileno()
+        await renegotiating(srv, fd)
+        writer.close()
+        await asyncio.sleep(0.05)
+        assert writer.transport._engine.state is TLSState.OPEN  # (the alert waits)
+        srv.cont()
+        await asyncio.wait_for(writer.wait_closed(), WAKE)
+        async with asyncio.timeout(WAKE):
+            while b"DONE" not in srv.out:  # s_server: close_notify received
+                await asyncio.sleep(0.02)
