@@ -207,6 +207,9 @@ class TLSTransport(WriteGate):
         self._plain: list[memoryview] = []  # plaintext for the next flush
         self._plain_bytes = 0
         self._flush_scheduled = False
+        # A read came since the last write, which then goes at once (see
+        # _gather; SlabTransport.write does the same).
+        self._fresh = False
         self._reqs: list[WriteRequest] = []  # waiting for encryption
         # Requests whose plaintext the engine holds until a renegotiation
         # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
@@ -264,6 +267,7 @@ class TLSTransport(WriteGate):
         if engine is None:
             return  # set-up failed: the connection is being aborted
         if self._stage is not _Stage.HANDSHAKE:
+            self._fresh = True
             # A whole read is delivered even if the app pauses during it.
             self._pump(not self._reading_paused, False, data)
             return
@@ -511,9 +515,12 @@ class TLSTransport(WriteGate):
         if self._closing or self._eof_requested:
             if not self._check_writable():
                 return None
+        fresh, self._fresh = self._fresh, False  # (one record for them all)
         req = None
         for v in views:
             req = self._gather(v, v.nbytes) or req
+        if fresh and self._plain and self._stage is _Stage.READY:
+            self._flush()
         return req
 
     def _gather(self, view: memoryview, n: int) -> WriteRequest | None:
@@ -530,7 +537,10 @@ class TLSTransport(WriteGate):
             req = WriteRequest(n, -1)
             self._reqs.append(req)
         if stage is _Stage.READY:
-            if self._plain_bytes >= CORK_LIMIT:
+            if self._plain_bytes >= CORK_LIMIT or self._fresh:
+                # A reply to what was read goes at once (one record, no
+                # callback); what follows it in this iteration is gathered.
+                self._fresh = False
                 self._flush()  # (checks the pause itself)
                 return req
             if not self._flush_scheduled:

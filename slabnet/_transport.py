@@ -52,7 +52,8 @@ at once, and its number may already be another connection's.
 * A small write (below ``BufferPool.small_limit``) is copied into the loop's
   pool and sent, with every other small write of the same loop iteration, by
   one ``sendmsg`` from a ``call_soon`` callback -- or at once when 64 KiB,
-  or 1024 writes (``IOV_MAX``), have gathered.
+  or 1024 writes (``IOV_MAX``), have gathered. The first small write after a
+  read (a reply) goes straight to ``send`` instead, as a large one does.
 * What the kernel does not take waits in an ``OutQueue`` (memoryview slices,
   no joins), and the caller gets a ``WriteRequest``.
 
@@ -495,6 +496,7 @@ class SlabTransport(WriteGate):
         "_proto", "_raw", "_pool", "_state", "_closing", "_out", "_fd",
         "_ino", "_dupfd", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
         "_flush_scheduled", "_corked", "_corked_pieces", "_eof_sent", "_error", "_raw_gone",
+        "_fresh",
     )
 
     def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, pool: BufferPool) -> None:
@@ -515,6 +517,7 @@ class SlabTransport(WriteGate):
         self._poll: asyncio.TimerHandle | None = None  # EMFILE: polling instead
         self._poll_delay = _POLL_MIN
         self._flush_scheduled = False
+        self._fresh = False  # a read came since the last write (see write)
         self._corked = 0  # pooled bytes waiting for the end-of-iteration flush
         self._corked_pieces = 0  # and the writes they came in
         self._eof_sent = False
@@ -584,6 +587,13 @@ class SlabTransport(WriteGate):
                 return None
         out = self._out
         if n < self._pool.small_limit:
+            if self._fresh and not out:
+                # The first write after a read (a reply, most often) goes
+                # straight to the kernel: waiting for the end of the
+                # iteration would cost a callback and, on both loops, one
+                # more loop iteration for each request and reply.
+                self._fresh = False
+                return self._send_now([memoryview(view)], n)
             # Gather: copy into the pool; one sendmsg at the end of the
             # iteration carries every small write of this iteration.
             region = self._pool.alloc(n)
@@ -1171,6 +1181,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         # (Nothing runs between get_buffer and buffer_updated: _paused is
         # what it was there.)
+        tr = self._transport
+        if tr is not None:
+            tr._fresh = True  # (see SlabTransport.write)
         if self._paused:
             self._hold(nbytes)
         elif self._borrows:
