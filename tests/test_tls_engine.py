@@ -1141,13 +1141,16 @@ def renegotiate_from_s_server(srv: OpenSSLProc, pump: Pump, engine: TLSEngine) -
 @contextlib.contextmanager
 def s_server_renegotiating(
     pem_files: tuple[str, str], ca: trustme.CA, server_cert: trustme.LeafCert,
+    *options: str,
 ) -> Iterator[tuple[OpenSSLProc, Pump, bytes]]:
-    """A TLS 1.2 engine over a socket to s_server, which has sent a
-    HelloRequest; the engine has read it and answered with a ClientHello,
-    which is kept back (yielded): the server sends on without answering."""
+    """A TLS 1.2 engine over a socket to s_server (given ``options``), which
+    has sent a HelloRequest; the engine has read it and answered with a
+    ClientHello, which is kept back (yielded): the server sends on without
+    answering."""
     server_pem, _ = pem_files
     srv = OpenSSLProc(
-        ["s_server", "-accept", "127.0.0.1:0", "-cert", server_pem, "-tls1_2", "-naccept", "1"]
+        ["s_server", "-accept", "127.0.0.1:0", "-cert", server_pem, "-tls1_2", "-naccept", "1",
+         *options]
     )
     try:
         port = int(srv.wait_for(rb"ACCEPT 127\.0\.0\.1:(\d+)").group(1))
@@ -1179,8 +1182,10 @@ def until_s_server_has(srv: OpenSSLProc, pump: Pump, needle: bytes) -> None:
 
 @pytestmark_interop
 @pytest.mark.parametrize("write", ["before", "after"])
+@pytest.mark.parametrize("records", ["16K", "512"])
 def test_data_behind_a_hello_request_while_a_write_waits(
-    write: str, pem_files: tuple[str, str], ca: trustme.CA, server_cert: trustme.LeafCert,
+    write: str, records: str, pem_files: tuple[str, str], ca: trustme.CA,
+    server_cert: trustme.LeafCert,
 ) -> None:
     """A TLS 1.2 client renegotiates (s_server's HelloRequest, our
     ClientHello) and the server sends data on before it answers. While the
@@ -1191,13 +1196,15 @@ def test_data_behind_a_hello_request_while_a_write_waits(
     a held write after each chunk of a read with more records behind it
     (TLS-in-TLS through stunnel to s_server lost its connection so, one
     run in a hundred under load), and wrote at once with records unread.
-    Now the data is read first: every byte arrives, then the write."""
-    with s_server_renegotiating(pem_files, ca, server_cert) as (srv, pump, hello):
+    Now the data is read first: every byte arrives, then the write. With
+    512-byte records a chunk joins 32 of them and more wait behind it."""
+    options = () if records == "16K" else ("-max_send_frag", records)
+    with s_server_renegotiating(pem_files, ca, server_cert, *options) as (srv, pump, hello):
         engine, sock = pump.engine, pump.sock
         if write == "before":
             engine.write(b"HELD-WRITE\n")  # nothing to read yet: it waits
             assert engine.held_plaintext == len(b"HELD-WRITE\n")
-        data = hex_payload(60_000)  # s_server sends it 16 KiB a record
+        data = hex_payload(60_000)  # s_server sends it in records of its -max_send_frag
         srv.send(data)
         block_until_records(sock.fileno(), lambda recs: sum(r[2] - 29 for r in recs) >= len(data))
         sock.setblocking(False)
