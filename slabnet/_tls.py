@@ -635,10 +635,7 @@ class TLSEngine:
         sslobj = self.ssl_object
         result: Any
         while True:
-            pending = incoming.pending
-            if pending < _LEND_LOW and self._lent is not None:
-                self._top_up()  # keep a full batch in the BIO
-                pending = incoming.pending
+            pending = self._fill()
             fed = self._avail
             if self._leftover:
                 result = self._read_batch(fed, pending, fed - pending, 0, 0, 0)
@@ -912,6 +909,15 @@ class TLSEngine:
         pending = self._incoming.pending
         return bool(pending) and self._scanner.data_next(self._avail - pending)
 
+    def _fill(self) -> int:
+        """Keep a full batch in the BIO: move lent input in while less than
+        _LEND_LOW bytes wait there.  Returns what waits there."""
+        pending = self._incoming.pending
+        if pending < _LEND_LOW and self._lent is not None:
+            self._top_up()
+            pending = self._incoming.pending
+        return pending
+
     def _read_ahead(self) -> None:
         """Before a write while a TLS 1.2 renegotiation may run: decrypt the
         data in front of the next record without data into ``_held``, which
@@ -919,22 +925,23 @@ class TLSEngine:
         handshake step that reads it, and the connection would break (see
         the module docstring).  An error on the way is kept for the read
         side (after these bytes), as every read's is."""
-        incoming = self._incoming
+        sslobj = self.ssl_object
         while self._read_final is None and self._state is not _BROKEN:
-            pending = incoming.pending
-            if pending < _LEND_LOW and self._lent is not None:
-                self._top_up()
-                pending = incoming.pending
-            if not self._data_ahead():
-                return
+            pending = self._fill()
             fed = self._avail
-            end, bound, count, weight = self._scanner.data_run(
-                fed - pending, self._max_chunk, fed
-            )
-            if count < 0 and not self.ssl_object.pending():
-                return  # a record not complete yet: the write only reads its start
-            if self._leftover or self.ssl_object.pending():
+            if sslobj.pending():
+                # Plaintext OpenSSL holds comes first: the leftover plan.
                 end, bound, count, weight = fed - pending, 0, 0, 0
+            else:
+                if not pending or not self._scanner.data_next(fed - pending):
+                    return  # nothing, or a record without data, is next
+                end, bound, count, weight = self._scanner.data_run(
+                    fed - pending, self._max_chunk, fed
+                )
+                if count < 0:
+                    return  # a record not complete yet: the write only reads its start
+                if self._leftover:
+                    end, bound, count, weight = fed - pending, 0, 0, 0
             try:
                 result = self._read_batch(fed, pending, end, bound, count, weight)
             except ssl.SSLError:

@@ -10,6 +10,8 @@ import asyncio
 import hashlib
 import os
 import socket
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from typing import Any
 
 import pytest
@@ -111,6 +113,24 @@ async def small_connect(lsock: socket.socket) -> tuple[socket.socket, socket.soc
         peer, _ = await loop.sock_accept(lsock)
     peer.setblocking(False)
     return client, peer
+
+
+@asynccontextmanager
+async def tls_pair(
+    handler: Callable[[slabnet.StreamReader, slabnet.StreamWriter], Awaitable[None]],
+    server_context: Any,
+    client_context: Any,
+) -> AsyncIterator[tuple[slabnet.StreamReader, slabnet.StreamWriter]]:
+    """A slabnet TLS server running `handler`, and a client connected to
+    it; the server is closed after the block."""
+    server = await slabnet.start_server(handler, "127.0.0.1", 0, ssl=server_context)
+    try:
+        port = server.sockets[0].getsockname()[1]
+        yield await slabnet.open_connection(
+            "127.0.0.1", port, ssl=client_context, server_hostname="localhost"
+        )
+    finally:
+        server.close()
 
 
 @pytest.mark.asyncio
@@ -351,23 +371,18 @@ async def test_tls_writes_of_one_iteration_are_encrypted_together(
         done.set_result(await reader.read())
         writer.close()
 
-    server = await slabnet.start_server(collect, "127.0.0.1", 0, ssl=tls_server_context)
-    port = server.sockets[0].getsockname()[1]
-    reader, writer = await slabnet.open_connection(
-        "127.0.0.1", port, ssl=tls_client_context, server_hostname="localhost"
-    )
-    engine = writer.transport._engine
-    before = engine.write_calls
-    pieces = [os.urandom(100) for _ in range(100)]  # 10 000 bytes: one record
-    for p in pieces:
-        assert writer.write(p) is None
-    await asyncio.sleep(0)
-    await asyncio.sleep(0)
-    assert engine.write_calls - before == 1
-    writer.close()
-    assert await asyncio.wait_for(done, 10) == b"".join(pieces)
-    await writer.wait_closed()
-    server.close()
+    async with tls_pair(collect, tls_server_context, tls_client_context) as (reader, writer):
+        engine = writer.transport._engine
+        before = engine.write_calls
+        pieces = [os.urandom(100) for _ in range(100)]  # 10 000 bytes: one record
+        for p in pieces:
+            assert writer.write(p) is None
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        assert engine.write_calls - before == 1
+        writer.close()
+        assert await asyncio.wait_for(done, 10) == b"".join(pieces)
+        await writer.wait_closed()
 
 
 # ------------------------------------------------ a reply goes at once
@@ -431,29 +446,24 @@ async def test_the_first_small_tls_write_after_a_read_is_encrypted_at_once(
             writer.write(line)
         writer.close()
 
-    server = await slabnet.start_server(echo, "127.0.0.1", 0, ssl=tls_server_context)
-    port = server.sockets[0].getsockname()[1]
-    reader, writer = await slabnet.open_connection(
-        "127.0.0.1", port, ssl=tls_client_context, server_hostname="localhost"
-    )
-    engine = writer.transport._engine
-    try:
-        writer.write(b"ping\n")
-        assert await asyncio.wait_for(reader.readline(), WAKE) == b"ping\n"
-        before = engine.write_calls
-        assert writer.write(b"reply\n") is None
-        assert engine.write_calls == before + 1  # encrypted at once
-        writer.write(b"more\n")
-        writer.write(b"and more\n")
-        assert engine.write_calls == before + 1  # gathered
-        await asyncio.sleep(0)
-        await asyncio.sleep(0)
-        assert engine.write_calls == before + 2  # one record for both
-        async with asyncio.timeout(WAKE):
-            assert await reader.readline() == b"reply\n"
-            assert await reader.readline() == b"more\n"
-            assert await reader.readline() == b"and more\n"
-    finally:
-        writer.close()
-        await asyncio.wait_for(writer.wait_closed(), WAKE)
-        server.close()
+    async with tls_pair(echo, tls_server_context, tls_client_context) as (reader, writer):
+        engine = writer.transport._engine
+        try:
+            writer.write(b"ping\n")
+            assert await asyncio.wait_for(reader.readline(), WAKE) == b"ping\n"
+            before = engine.write_calls
+            assert writer.write(b"reply\n") is None
+            assert engine.write_calls == before + 1  # encrypted at once
+            writer.write(b"more\n")
+            writer.write(b"and more\n")
+            assert engine.write_calls == before + 1  # gathered
+            await asyncio.sleep(0)
+            await asyncio.sleep(0)
+            assert engine.write_calls == before + 2  # one record for both
+            async with asyncio.timeout(WAKE):
+                assert await reader.readline() == b"reply\n"
+                assert await reader.readline() == b"more\n"
+                assert await reader.readline() == b"and more\n"
+        finally:
+            writer.close()
+            await asyncio.wait_for(writer.wait_closed(), WAKE)
