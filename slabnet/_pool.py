@@ -32,13 +32,24 @@ from typing import Final
 
 from ._slab import _exported
 
-__all__ = ["DEFAULT_POOL_SIZE", "BufferPool"]
+__all__ = ["DEFAULT_POOL_SIZE", "BufferPool", "is_pooled"]
 
 #: Node's Buffer.poolSize default since it was raised from 8 KiB.
 DEFAULT_POOL_SIZE: Final = 65536
 
 #: Node aligns pool offsets to 8 bytes (alignPool in lib/buffer.js).
 _ALIGN: Final = 8
+
+
+class _PoolBuffer(bytearray):
+    """One pool: regions of it are views of this."""
+
+    __slots__ = ()
+
+
+def is_pooled(view: memoryview) -> bool:
+    """True if ``view`` is a region of a pool (it keeps the pool alive)."""
+    return type(view.obj) is _PoolBuffer
 
 
 class BufferPool:
@@ -103,7 +114,7 @@ class BufferPool:
             # Reuse the exhausted pool: no region of it is alive.
             self.pools_reused += 1
             return pool
-        self._pool = pool = bytearray(self._pool_size)
+        self._pool = pool = _PoolBuffer(self._pool_size)
         self.pools_allocated += 1
         return pool
 

@@ -594,18 +594,23 @@ class SlabTransport(WriteGate):
                 # more loop iteration for each request and reply.
                 self._fresh = False
                 return self._send_now([memoryview(view)], n)
+            if self._waiting_writable:
+                # The kernel is full: the bytes wait in the queue's own
+                # buffer, with the other small writes made meanwhile, not in
+                # the shared pool, where one region pins the whole pool for
+                # as long as the peer takes to read.
+                out.append_small(view)
+                req = out.request(n)
+                self._check_pause()
+                return req
             # Gather: copy into the pool; one sendmsg at the end of the
             # iteration carries every small write of this iteration.
             region = self._pool.alloc(n)
             region[:] = view
-            blocked = self._waiting_writable
             out.append(region)
+            out.pooled = True
             self._corked += n
             self._corked_pieces += 1
-            if blocked:
-                req = out.request(n)
-                self._check_pause()
-                return req
             if self._corked >= CORK_LIMIT or self._corked_pieces >= CORK_PIECES:
                 self._flush()
             elif not self._flush_scheduled:
@@ -672,8 +677,12 @@ class SlabTransport(WriteGate):
         queue them (the caller may reuse its buffers meanwhile) and send
         everything with one ``sendmsg`` unless the kernel is full."""
         out = self._out
+        small = self._pool.small_limit if self._waiting_writable else 0
         for v in views:
-            out.append(_keep(v))
+            if v.nbytes < small:
+                out.append_small(v)  # (as write() does while the kernel is full)
+            else:
+                out.append(_keep(v))
         if not self._waiting_writable:
             self._flush()
             if not out:
@@ -865,6 +874,9 @@ class SlabTransport(WriteGate):
         if self._waiting_writable:
             return
         self._waiting_writable = True
+        # What waits may be gathered writes: regions of the loop's shared
+        # pool, which the other connections' writes fill meanwhile.
+        self._out.own_pooled()
         if self._dupfd < 0 and (not self._raw.is_closing() or self._fd_is_ours()):
             try:
                 self._dupfd = os.dup(self._fd)

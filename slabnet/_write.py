@@ -10,10 +10,24 @@ wait for the socket, and ``None`` otherwise.
 ``OutQueue`` is the bookkeeping behind that: an ordered deque of read-only
 byte views waiting for the kernel, the count of bytes ever queued and ever
 sent (so a request is "the bytes up to stream position N"), and the requests
-that wait on positions. The shell calls ``sent(n)`` after each ``send`` or
-``sendmsg`` and gets back whether everything went; requests whose position
-has been reached complete in order. Partial sends leave a sliced view at the
-head -- slicing a ``memoryview`` copies nothing.
+that are awaited. The shell calls ``sent(n)`` after each ``send`` or
+``sendmsg`` and gets back whether everything went; awaited requests whose
+position has been reached complete in order. Partial sends leave a sliced
+view at the head -- slicing a ``memoryview`` copies nothing.
+
+A request is a position on its queue's stream, and its state follows from
+the queue's progress (``sent_total``, ``error``): the queue holds only the
+requests someone awaits. Most are never awaited (asyncio code calls
+``write()`` and then ``drain()``), so a connection whose peer stops
+reading does not hold one object per write for as long as it waits.
+
+Small writes that wait for the socket are copied into one growing
+``bytearray`` at the tail (``append_small``), sealed into the deque when
+the shell next takes ``buffers()``: 64 KiB queued in 100-byte writes is one
+buffer, not 655 views. The shell's gathered writes live in regions of a
+pool the whole loop shares (``_pool``); ``own_pooled`` copies those left
+behind when the socket fills, since one region held pins its whole pool
+while the pool's other regions are the other connections' writes.
 
 Buffers are gathered for one ``sendmsg`` (``buffers()``), capped at
 ``IOV_MAX`` entries: Linux refuses more than 1024 iovecs in one call (uio.h
@@ -22,10 +36,13 @@ UIO_MAXIOV).
 
 from __future__ import annotations
 
+import bisect
 import collections
 import itertools
 from collections.abc import Generator
 from typing import Any, Final
+
+from ._pool import is_pooled
 
 __all__ = ["IOV_MAX", "OutQueue", "WriteRequest"]
 
@@ -44,11 +61,14 @@ class WriteRequest:
     itself, and the bytes stay queued for every other awaiter and later one.
     """
 
-    __slots__ = ("nbytes", "_end", "_exc", "_done", "_waiters")
+    __slots__ = ("nbytes", "_end", "_queue", "_exc", "_done", "_waiters")
 
-    def __init__(self, nbytes: int, end: int) -> None:
+    def __init__(self, nbytes: int, end: int, queue: OutQueue | None = None) -> None:
         self.nbytes = nbytes
         self._end = end  # stream position the kernel must have taken
+        # The queue whose progress decides it (OutQueue.request, .track);
+        # None until then (a TLS layer's request before encryption).
+        self._queue = queue
         self._exc: BaseException | None = None
         self._done = False
         # The futures of the awaits in progress: None until the first await
@@ -56,16 +76,30 @@ class WriteRequest:
         self._waiters: list[Any] | None = None
 
     def done(self) -> bool:
+        if not self._done:
+            self._settle()
         return self._done
 
     def exception(self) -> BaseException | None:
+        if not self._done:
+            self._settle()
         return self._exc
+
+    def _settle(self) -> None:
+        """Finish if the queue's progress decides it already."""
+        queue = self._queue
+        if queue is not None:
+            if queue.sent_total >= self._end:
+                self._finish(None)
+            elif queue.error is not None:
+                self._finish(queue.error)
 
     def _finish(self, exc: BaseException | None) -> None:
         if self._done:
             return
         self._done = True
         self._exc = exc
+        self._queue = None
         waiters = self._waiters
         if waiters:
             self._waiters = None
@@ -78,12 +112,17 @@ class WriteRequest:
 
     def __await__(self) -> Generator[Any, None, None]:
         if not self._done:
+            self._settle()
+        if not self._done:
             import asyncio  # the shell's loop; this module stays sans-IO
 
             waiter = asyncio.get_running_loop().create_future()
             waiters = self._waiters
             if waiters is None:
                 waiters = self._waiters = []
+                queue = self._queue
+                if queue is not None:
+                    queue._wait(self)  # from now on the queue finishes it
             waiters.append(waiter)
             try:
                 yield from waiter.__await__()
@@ -108,14 +147,19 @@ class OutQueue:
     made on first use, so an idle connection pays for neither.
     """
 
-    __slots__ = ("_bufs", "queued", "sent_total", "end", "_requests")
+    __slots__ = ("_bufs", "_tail", "pooled", "queued", "sent_total", "end", "error", "_requests")
 
     def __init__(self) -> None:
         self._bufs: collections.deque[memoryview] | None = None
+        # Small writes queued since the last buffers(), copied: after _bufs.
+        self._tail: bytearray | None = None
+        self.pooled = False  # a view of the shared write pool may be queued
         self.queued = 0  # bytes waiting
         self.sent_total = 0  # bytes handed to the kernel, ever
         self.end = 0  # stream position after the last queued byte
-        self._requests: collections.deque[WriteRequest] | None = None
+        self.error: BaseException | None = None  # what dropped the queue (fail)
+        # The awaited requests, by position (see WriteRequest.__await__).
+        self._requests: list[WriteRequest] | None = None
 
     def __bool__(self) -> bool:
         return self.queued > 0
@@ -123,6 +167,8 @@ class OutQueue:
     def append(self, view: memoryview) -> None:
         n = view.nbytes
         if n:
+            if self._tail is not None:
+                self._seal()
             bufs = self._bufs
             if bufs is None:
                 bufs = self._bufs = collections.deque()
@@ -130,32 +176,81 @@ class OutQueue:
             self.queued += n
             self.end += n
 
+    def append_small(self, data: bytes | memoryview) -> None:
+        """Queue a copy of ``data``, in one buffer with the other small
+        writes queued since the shell last took ``buffers()``."""
+        tail = self._tail
+        if tail is None:
+            self._tail = bytearray(data)
+        else:
+            tail += data
+        n = len(data)  # (a memoryview of bytes: one byte per item)
+        self.queued += n
+        self.end += n
+
+    def _seal(self) -> None:
+        tail = self._tail
+        self._tail = None
+        if tail:
+            bufs = self._bufs
+            if bufs is None:
+                bufs = self._bufs = collections.deque()
+            bufs.append(memoryview(tail))  # (never grown again)
+
+    def own_pooled(self) -> None:
+        """Replace the queued views of the shared write pool by copies (one
+        ``bytes`` for each run of them): a waiting region would pin its
+        whole pool for as long as the peer takes to read."""
+        if not self.pooled:
+            return
+        self.pooled = False
+        bufs = self._bufs
+        if not bufs:
+            return
+        kept: collections.deque[memoryview] = collections.deque()
+        run: list[memoryview] = []
+        for view in bufs:
+            if is_pooled(view):
+                run.append(view)
+                continue
+            if run:
+                kept.append(memoryview(b"".join(run)))
+                run = []
+            kept.append(view)
+        if run:
+            kept.append(memoryview(b"".join(run)))
+        self._bufs = kept
+
     def passed(self, nbytes: int) -> None:
         """Account for bytes sent directly, without ever being queued."""
         self.end += nbytes
         self.sent_total += nbytes
 
     def request(self, nbytes: int) -> WriteRequest:
-        """A request for the bytes queued so far (the last ``nbytes`` of them)."""
-        req = WriteRequest(nbytes, self.end)
-        self._wait(req)
-        return req
+        """A request for the bytes queued so far (the last ``nbytes`` of
+        them); the queue keeps it only once it is awaited."""
+        return WriteRequest(nbytes, self.end, self)
 
     def track(self, req: WriteRequest) -> None:
         """Make ``req`` complete once everything queued so far is sent."""
         req._end = self.end
-        if self.sent_total >= self.end:
-            req._finish(None)
-        else:
+        req._queue = self
+        req._settle()
+        if not req._done and req._waiters is not None:
             self._wait(req)
 
     def _wait(self, req: WriteRequest) -> None:
         reqs = self._requests
         if reqs is None:
-            reqs = self._requests = collections.deque()
-        reqs.append(req)
+            self._requests = [req]
+        elif reqs[-1]._end <= req._end:
+            reqs.append(req)
+        else:
+            bisect.insort(reqs, req, key=_end_of)
 
     def buffers(self) -> list[memoryview]:
+        if self._tail is not None:
+            self._seal()
         bufs = self._bufs
         if bufs is None:
             return []
@@ -164,7 +259,8 @@ class OutQueue:
         return list(itertools.islice(bufs, IOV_MAX))
 
     def sent(self, nbytes: int) -> bool:
-        """Record that the kernel took ``nbytes``; True if the queue is empty."""
+        """Record that the kernel took ``nbytes`` of ``buffers()``; True if
+        the queue is empty."""
         self.queued -= nbytes
         self.sent_total += nbytes
         bufs = self._bufs
@@ -181,17 +277,32 @@ class OutQueue:
         reqs = self._requests
         if reqs:
             done = self.sent_total
-            while reqs and reqs[0]._end <= done:
-                reqs.popleft()._finish(None)
-            if not reqs:
-                self._requests = None  # (an idle connection keeps no deque)
+            k = 0
+            for req in reqs:
+                if req._end > done:
+                    break
+                k += 1
+            if k:
+                finished = reqs[:k]
+                del reqs[:k]
+                if not reqs:
+                    self._requests = None  # (an idle connection keeps no list)
+                for req in finished:
+                    req._finish(None)
         return not self.queued
 
     def fail(self, exc: BaseException) -> None:
-        """Drop every queued byte; pending requests raise ``exc``."""
+        """Drop every queued byte; requests not done raise ``exc``."""
+        if self.error is None:
+            self.error = exc
         self._bufs = None
+        self._tail = None
         self.queued = 0
         reqs = self._requests
         self._requests = None
-        while reqs:
-            reqs.popleft()._finish(exc)
+        for req in reqs or ():
+            req._finish(exc)
+
+
+def _end_of(req: WriteRequest) -> int:
+    return req._end
