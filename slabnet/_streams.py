@@ -584,11 +584,26 @@ class StreamReader:
             self._raise_if_drained()
             return b""
         if n < 0:
+            # Chunks are kept as they came, but runs of small ones are
+            # copied into one buffer: a peer that sends a byte per segment
+            # would otherwise make this hold a view and a bytes object, over
+            # 200 bytes, for each byte.
             parts: list[memoryview] = []
+            run: _Sealed | None = None
             try:
                 while chunk := await self.read_chunk():
+                    if len(chunk) < _COALESCE_BELOW:
+                        if run is None:
+                            run = _Sealed()
+                        run += chunk
+                        continue
+                    if run is not None:
+                        parts.append(memoryview(run).toreadonly())
+                        run = None
                     parts.append(chunk)
             except BaseException as exc:
+                if run is not None:
+                    parts.append(memoryview(run).toreadonly())
                 if parts:
                     if exc is self._exception:
                         # The data first; the stored error on the next call.
@@ -596,6 +611,8 @@ class StreamReader:
                     # Cancelled (or misused): every byte stays buffered.
                     self._unread(parts)
                 raise
+            if run is not None:
+                parts.append(memoryview(run))
             return b"".join(parts)
         if not self._size and not await self._wait_for_bytes("read"):
             return b""
