@@ -15,7 +15,8 @@ import os
 import socket
 import sys
 import tracemalloc
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from types import FrameType
 from typing import Any
 
@@ -265,12 +266,10 @@ async def test_tiny_chunks_heap_within_4x_of_asyncio() -> None:
     assert await reader.readexactly(n) == bytes(i & 0x7F for i in range(n))
 
 
-@pytest.mark.asyncio
-async def test_tiny_segments_over_tcp_heap_bounded() -> None:
-    """2,000 one-byte TCP segments buffered unread hold about what asyncio's
-    buffer of the same bytes holds, not 2,000 chunk objects."""
-    n = 2000
-    reference = heap_of_fed(asyncio.StreamReader, n)
+@asynccontextmanager
+async def served_reader() -> AsyncIterator[tuple[slabnet.StreamReader, socket.socket]]:
+    """A slabnet server's reader of one connection, and the client's socket
+    (non-blocking, Nagle off: each send is a segment of its own)."""
     ready: asyncio.Future[slabnet.StreamReader] = asyncio.Future()
     done = asyncio.Event()
 
@@ -281,35 +280,48 @@ async def test_tiny_segments_over_tcp_heap_bounded() -> None:
 
     server = await slabnet.start_server(handle, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    loop = asyncio.get_running_loop()
     sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setblocking(False)
-    tracemalloc.start()
     try:
-        async with asyncio.timeout(20):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        sock.setblocking(False)
+        async with asyncio.timeout(5):
             reader = await ready
-            # The first byte: the loop's read slab gets allocated, and the
-            # reader holds it as is (nothing was buffered).
-            await loop.sock_sendall(sock, b"z")
-            while not reader._size:
-                await asyncio.sleep(0)
-            gc.collect()
-            before = tracemalloc.get_traced_memory()[0]
-            for i in range(1, n):
-                await loop.sock_sendall(sock, b"z")
-                while reader._size <= i:  # one read per segment
-                    await asyncio.sleep(0)
-            gc.collect()
-            held = tracemalloc.get_traced_memory()[0] - before
-            tracemalloc.stop()
-            assert await reader.readexactly(n) == b"z" * n
+        yield reader, sock
     finally:
-        tracemalloc.stop()
         done.set()
         sock.close()
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_tiny_segments_over_tcp_heap_bounded() -> None:
+    """2,000 one-byte TCP segments buffered unread hold about what asyncio's
+    buffer of the same bytes holds, not 2,000 chunk objects."""
+    n = 2000
+    reference = heap_of_fed(asyncio.StreamReader, n)
+    loop = asyncio.get_running_loop()
+    async with served_reader() as (reader, sock):
+        tracemalloc.start()
+        try:
+            async with asyncio.timeout(20):
+                # The first byte: the loop's read slab gets allocated, and the
+                # reader holds it as is (nothing was buffered).
+                await loop.sock_sendall(sock, b"z")
+                while not reader._size:
+                    await asyncio.sleep(0)
+                gc.collect()
+                before = tracemalloc.get_traced_memory()[0]
+                for i in range(1, n):
+                    await loop.sock_sendall(sock, b"z")
+                    while reader._size <= i:  # one read per segment
+                        await asyncio.sleep(0)
+                gc.collect()
+                held = tracemalloc.get_traced_memory()[0] - before
+                tracemalloc.stop()
+                assert await reader.readexactly(n) == b"z" * n
+        finally:
+            tracemalloc.stop()
     # The loop's own transient allocations get a fixed allowance; 2,000
     # queued chunk objects would be ~640 KB.
     assert held <= 4 * reference + 32 * 1024, (held, reference)
@@ -323,54 +335,34 @@ async def test_read_to_eof_of_tiny_segments_holds_about_their_bytes() -> None:
     chunks are now copied into one buffer; big chunks are kept as they came,
     and the order holds."""
     n = 3000
-    ready: asyncio.Future[slabnet.StreamReader] = asyncio.Future()
-    done = asyncio.Event()
-
-    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
-        ready.set_result(reader)
-        await done.wait()
-        writer.close()
-
-    server = await slabnet.start_server(handle, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
     loop = asyncio.get_running_loop()
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    sock.setblocking(False)
     big = os.urandom(200_000)
-    try:
-        async with asyncio.timeout(20):
-            reader = await ready
-            task = asyncio.ensure_future(reader.read())
+    async with served_reader() as (reader, sock), asyncio.timeout(20):
+        task = asyncio.ensure_future(reader.read())
 
-            async def one_segment(data: bytes) -> None:
-                # One read per segment, each taken by read() before the next.
-                reads = slabnet.memory_stats().reads
-                await loop.sock_sendall(sock, data)
-                while slabnet.memory_stats().reads == reads or reader._size or not reader._waiter:
-                    await asyncio.sleep(0)
+        async def one_segment(data: bytes) -> None:
+            # One read per segment, each taken by read() before the next.
+            reads = slabnet.memory_stats().reads
+            await loop.sock_sendall(sock, data)
+            while slabnet.memory_stats().reads == reads or reader._size or not reader._waiter:
+                await asyncio.sleep(0)
 
-            for _ in range(30):  # the read size comes down to its floor meanwhile
-                await one_segment(b"<")
-            tracemalloc.start()
-            try:
-                gc.collect()
-                before = tracemalloc.get_traced_memory()[0]
-                for _ in range(n):
-                    await one_segment(b"z")
-                gc.collect()
-                held = tracemalloc.get_traced_memory()[0] - before
-            finally:
-                tracemalloc.stop()
-            await loop.sock_sendall(sock, big)
-            await loop.sock_sendall(sock, b">")
-            sock.shutdown(socket.SHUT_WR)
-            assert await task == b"<" * 30 + b"z" * n + big + b">"
-    finally:
-        done.set()
-        sock.close()
-        server.close()
-        await server.wait_closed()
+        for _ in range(30):  # the read size comes down to its floor meanwhile
+            await one_segment(b"<")
+        tracemalloc.start()
+        try:
+            gc.collect()
+            before = tracemalloc.get_traced_memory()[0]
+            for _ in range(n):
+                await one_segment(b"z")
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        await loop.sock_sendall(sock, big)
+        await loop.sock_sendall(sock, b">")
+        sock.shutdown(socket.SHUT_WR)
+        assert await task == b"<" * 30 + b"z" * n + big + b">"
     # 3,000 views and bytes objects would be ~650 KB; the loop's own
     # transient allocations get a fixed allowance.
     assert held <= 8 * n + 32 * 1024, held
