@@ -145,6 +145,19 @@ async def wait_acked(sock: socket.socket, timeout: float = 10.0) -> None:
         await asyncio.sleep(0.005)
 
 
+async def recv_exactly(sock: socket.socket, n: int, timeout: float) -> bytes:
+    """Read ``n`` bytes from a non-blocking socket within ``timeout``; fail
+    on EOF before them."""
+    loop = asyncio.get_running_loop()
+    got = bytearray()
+    async with asyncio.timeout(timeout):
+        while len(got) < n:
+            data = await loop.sock_recv(sock, min(n - len(got), 1 << 20))
+            assert data, f"EOF after {len(got)} of {n} bytes"
+            got += data
+    return bytes(got)
+
+
 def hard_close(sock: socket.socket) -> None:
     """Close with SO_LINGER 0: the kernel sends RST instead of FIN."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import Boom, Handler, RawTLS, client_ctx, fds_settle, hard_close, open_fds, server_ctx
+from conftest import (
+    Boom, Handler, RawTLS, client_ctx, fds_settle, hard_close, open_fds, recv_exactly, server_ctx,
+)
 
 WAKE = 3.0  # seconds any waiter may take to wake after a fault
 
@@ -42,18 +44,6 @@ async def recv_until_closed(sock: socket.socket, timeout: float = WAKE) -> tuple
             if not data:
                 return got, "eof"
             got += len(data)
-
-
-async def recv_exactly(sock: socket.socket, n: int, timeout: float = WAKE) -> bytes:
-    """Read ``n`` bytes; fail on EOF before them."""
-    loop = asyncio.get_running_loop()
-    got = bytearray()
-    async with asyncio.timeout(timeout):
-        while len(got) < n:
-            data = await loop.sock_recv(sock, 65536)
-            assert data, f"EOF after {len(got)} of {n} bytes"
-            got += data
-    return bytes(got)
 
 
 class App(slabnet.ChunkProtocol):
@@ -220,7 +210,7 @@ async def test_one_descriptor_per_connection_even_at_the_limit(listener: socket.
         assert req is not None  # the kernel took a part; the rest waits
         tr = writer.transport
         assert tr._dupfd == -1 and tr._poll is not None  # polling: no descriptor
-        assert await recv_exactly(peer, len(payload)) == payload
+        assert await recv_exactly(peer, len(payload), WAKE) == payload
         await asyncio.wait_for(req, WAKE)
         assert tr._dupfd == -1 and tr._poll is None  # the queue is empty: idle
         # Blocked and polling again, and then the loop closes its transport
@@ -230,7 +220,7 @@ async def test_one_descriptor_per_connection_even_at_the_limit(listener: socket.
         assert req is not None and tr._poll is not None
         os.close((taken or fillers).pop())
         tr._raw.close()
-        assert await recv_exactly(peer, len(payload)) == payload
+        assert await recv_exactly(peer, len(payload), WAKE) == payload
         await asyncio.wait_for(req, WAKE)
         writer.close()
         await writer.wait_closed()
@@ -257,7 +247,7 @@ async def test_a_connection_holds_one_descriptor_and_a_second_only_while_blocked
     req = writer.write(payload)
     assert req is not None
     assert open_fds() == baseline + 3  # a duplicate to wait for writability on
-    assert await recv_exactly(peer, len(payload)) == payload
+    assert await recv_exactly(peer, len(payload), WAKE) == payload
     await asyncio.wait_for(req, WAKE)
     assert open_fds() == baseline + 2  # given back once the queue is empty
     writer.close()

@@ -20,7 +20,7 @@ import slabnet
 import slabnet._transport as transport_mod
 import slabnet._write as write_mod
 
-from conftest import hard_close, wait_acked
+from conftest import hard_close, recv_exactly, wait_acked
 
 WAKE = 10.0  # a bound on waits that must not fail: a failure fails fast
 
@@ -484,16 +484,6 @@ def fill_kernel(sock: socket.socket) -> int:
             return sent
 
 
-async def read_exactly(sock: socket.socket, n: int) -> bytes:
-    loop = asyncio.get_running_loop()
-    got = bytearray()
-    while len(got) < n:
-        data = await loop.sock_recv(sock, min(n - len(got), 1 << 20))
-        assert data, f"EOF after {len(got)} of {n} bytes"
-        got += data
-    return bytes(got)
-
-
 @pytest.mark.asyncio
 async def test_small_writes_to_a_peer_that_stops_reading_pin_no_shared_pool() -> None:
     # A server broadcasting small messages, one client of which stopped
@@ -514,7 +504,7 @@ async def test_small_writes_to_a_peer_that_stops_reading_pin_no_shared_pool() ->
     _, stuck = await slabnet.open_connection(sock=stuck_sock)
     _, busy = await slabnet.open_connection(sock=busy_sock)
     rounds, size = 5000, 100
-    busy_got = asyncio.ensure_future(read_exactly(busy_peer, rounds * size))
+    busy_got = asyncio.ensure_future(recv_exactly(busy_peer, rounds * size, WAKE))
     try:
         prefill = fill_kernel(stuck_sock)
         allocated = pool.pools_allocated
@@ -550,7 +540,7 @@ async def test_small_writes_to_a_peer_that_stops_reading_pin_no_shared_pool() ->
             waiting = asyncio.ensure_future(kept)
             await asyncio.sleep(0)
             assert out._requests == [kept]  # awaited: the queue finishes it
-            got = await read_exactly(stuck_peer, prefill + (100 + rounds) * size)
+            got = await recv_exactly(stuck_peer, prefill + (100 + rounds) * size, WAKE)
             await waiting
             assert kept.done() and kept.exception() is None
         assert got[:prefill] == b"k" * prefill
@@ -581,7 +571,7 @@ async def test_writelines_behind_a_full_socket_coalesces_its_small_buffers() -> 
             p[:] = b"-----"  # the caller reuses its buffers: the copies stay
         assert len(out.buffers()) < 100  # 2000 small buffers wait in a few
         async with asyncio.timeout(WAKE):
-            got = await read_exactly(peer, prefill + 100_000 + 10_000)
+            got = await recv_exactly(peer, prefill + 100_000 + 10_000, WAKE)
         assert got[prefill + 100_000 :] == b"".join(b"%05d" % i for i in range(2000))
     finally:
         writer.transport.abort()

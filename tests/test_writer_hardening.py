@@ -27,7 +27,7 @@ import pytest_asyncio
 
 import slabnet
 from slabnet._transport import _PAUSED_READ
-from conftest import RawTLS, fds_settle, hard_close, open_fds, wait_acked
+from conftest import RawTLS, fds_settle, hard_close, open_fds, recv_exactly, wait_acked
 
 WAKE = 5.0  # seconds any wait may take before the test fails
 SMALL_BUF = 16 * 1024  # SO_SNDBUF / SO_RCVBUF where a test needs a backlog
@@ -315,7 +315,7 @@ async def test_a_timed_out_await_of_a_write_request_cancels_only_itself(
     assert not other.done()
     assert not req.done()
     later = asyncio.create_task(await_req())
-    data = await sock_read_to_end_n(peer, PAYLOAD)
+    data = await recv_exactly(peer, PAYLOAD, WAKE)
     assert data == payload
     assert await asyncio.wait_for(other, WAKE) == "sent"
     assert await asyncio.wait_for(later, WAKE) == "sent"
@@ -324,17 +324,6 @@ async def test_a_timed_out_await_of_a_write_request_cancels_only_itself(
     writer.close()
     peer.close()
     await writer.wait_closed()
-
-
-async def sock_read_to_end_n(sock: socket.socket, n: int) -> bytes:
-    loop = asyncio.get_running_loop()
-    buf = bytearray()
-    async with asyncio.timeout(WAKE):
-        while len(buf) < n:
-            data = await loop.sock_recv(sock, 65536)
-            assert data, "EOF before all the bytes"
-            buf += data
-    return bytes(buf)
 
 
 @pytest.mark.asyncio
