@@ -323,16 +323,15 @@ class TLSTransport(WriteGate):
         if self._error is None:
             self._error = exc  # (an error of the final delivery comes second)
         try:
-            # (Not to an asyncio protocol that paused reading: the loops
-            # never hand a paused protocol data, and loop.sendfile()'s
-            # fallback protocol raises if they do. It gets the loss only.)
-            if (
-                self._engine is not None and stage is not _Stage.HANDSHAKE
-                and not self._read_over
-                and not (self._reading_paused and not hasattr(self._app, "chunk_received"))
-            ):
-                # Deliver every byte that was decrypted before the connection went.
-                self._pump(force=True, final=True)
+            if self._engine is not None and stage is not _Stage.HANDSHAKE and not self._read_over:
+                # Deliver every byte that was decrypted before the connection
+                # went; if reading is paused, to whom WriteGate._final_receiver
+                # says, if anyone.
+                receiver = self._app if not self._reading_paused else self._final_receiver(self._app)
+                if receiver is not None:
+                    if receiver is not self._app:
+                        self._deliver, _ = chunk_deliverer(receiver)
+                    self._pump(force=True, final=True)
         finally:
             # Even if the app's chunk_received raised KeyboardInterrupt or
             # SystemExit there: the app still hears the connection go.

@@ -411,6 +411,20 @@ class WriteGate(_FlowControlBase):
             return False
         return True
 
+    def _final_receiver(self, protocol: Any) -> Any | None:
+        """Who gets what a read held back, reading paused, when the
+        connection ends with ``protocol`` set: a protocol that takes chunks;
+        during a sendfile the app's own, which hears the loss through the
+        fallback's protocol, if it takes chunks or read before the send (the
+        bytes were the app's; the fallback would have handed them over once
+        done); otherwise nobody (an asyncio protocol that paused is never
+        handed data by the loops, and the fallback's protocol raises)."""
+        if self._sending_file:
+            protocol = protocol._proto
+            if self._resume_after:
+                return protocol
+        return protocol if hasattr(protocol, "chunk_received") else None
+
     def _sendfile_swap(self, protocol: asyncio.BaseProtocol) -> bool:
         """``set_protocol(protocol)``: True if reading must resume now
         (the app's protocol is back after a send, and the app reads)."""
@@ -1243,17 +1257,18 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._transport = None
         if not self._upper_made:
             return
-        upper, held = self.upper, self._held
-        if held is not None and self._paused and not hasattr(upper, "chunk_received"):
-            # An asyncio protocol (set_protocol()), paused: the loops never
-            # hand a paused protocol data, and loop.sendfile()'s fallback
-            # protocol raises if they do. It gets the loss only, as there.
-            held = self._held = None
+        upper, held, deliver = self.upper, self._held, self._deliver
+        if held is not None and self._paused:
+            receiver = tr._final_receiver(upper)
+            if receiver is None:
+                held = self._held = None  # (it gets the loss only, as there)
+            elif receiver is not upper:
+                deliver, _ = chunk_deliverer(receiver)
         try:
             if held is not None:  # what arrived before the end is delivered first
                 self._held = None
                 try:
-                    self._deliver(held)
+                    deliver(held)
                 finally:
                     upper.connection_lost(err)
             else:

@@ -130,6 +130,11 @@ def unacked(sock: socket.socket) -> int:
     return int(struct.unpack("i", fcntl.ioctl(sock, termios.TIOCOUTQ, b"\0" * 4))[0])
 
 
+def unread(sock: socket.socket | int) -> int:
+    """Bytes in the socket's receive queue that nobody has read (FIONREAD)."""
+    return int(struct.unpack("i", fcntl.ioctl(sock, termios.FIONREAD, b"\0" * 4))[0])
+
+
 async def wait_acked(sock: socket.socket, timeout: float = 10.0) -> None:
     """Wait until the peer's kernel has acknowledged every byte we sent (a
     RST discards what is still in our send queue, so only acknowledged bytes

@@ -7,11 +7,8 @@ tests run real connections on both loops and look at what the reads were.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import gc
 import socket
-import struct
-import termios
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import slabnet
+from conftest import unread
 from slabnet._transport import _PAUSED_READ
 from slabnet import _slab
 from slabnet._slab import READ_SIZES, ReadSizer, ReadSlab
@@ -251,10 +249,6 @@ def test_one_trim_timer_per_slab_while_it_holds_more_than_idle() -> None:
 
 
 # ---------------------------------------------------------------- over real sockets
-
-
-def unread(sock: Any) -> int:
-    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])
 
 
 class Pausing(slabnet.ChunkProtocol):

@@ -29,20 +29,17 @@ not arise: the cancelled ops here are single reads that wait.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import random
 import socket
 import ssl
-import struct
 import sys
-import termios
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import slabnet
-from conftest import RawTLS, client_ctx, server_ctx
+from conftest import RawTLS, client_ctx, server_ctx, unread
 
 WAKE = 10.0  # seconds a lockstep wait may take
 SEPS = [b"\n", b"\r\n", b"--boundary--", b"ab", b"\n\n"]
@@ -231,11 +228,6 @@ async def run_op(reader: Any, op: Op, watch: Watch) -> tuple[Any, ...]:
 
 
 # ------------------------------------------------------------------ a run
-
-
-def unread(sock: Any) -> int:
-    """Bytes in the socket's receive queue (FIONREAD)."""
-    return int(struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0" * 4))[0])
 
 
 async def until(done: Callable[[], bool], what: str) -> None:

@@ -26,6 +26,7 @@ import pytest
 import slabnet
 from conftest import (
     ForgedTLS12, RawTLS, block_until_records, client_ctx, connect_raw_tls, records, server_ctx,
+    unread,
 )
 from slabnet._errors import TLSRecordError
 from slabnet._slab import LEND_SIZE
@@ -475,17 +476,10 @@ def test_thousands_of_session_tickets(
 # ---------------------------------------------------------------- streams
 
 
-def _unread(fd: int) -> int:
-    import fcntl
-    import termios
-
-    return int(struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0])
-
-
 async def _taken(fd: int) -> None:
     """Until the kernel holds nothing unread on `fd` (the loop took it)."""
     async with asyncio.timeout(WAKE):
-        while _unread(fd):
+        while unread(fd):
             await asyncio.sleep(0)
 
 

@@ -24,7 +24,7 @@ import trustme
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import block_until_records
+from conftest import block_until_records, unread
 from slabnet._errors import TLSRecordError, TLSTruncatedError
 from slabnet._tls import (
     _LEND_LOW,
@@ -928,13 +928,10 @@ class Pump:
         """Wait until the kernel holds ``min_bytes`` for us (or stops
         receiving), so that the reads that follow carry many records each:
         coalescing is then a property of the engine, not of the timing."""
-        import fcntl
-        import termios
-
         deadline = time.monotonic() + timeout
         last, still = -1, 0
         while time.monotonic() < deadline:
-            queued = struct.unpack("i", fcntl.ioctl(self.sock, termios.FIONREAD, b"\0" * 4))[0]
+            queued = unread(self.sock)
             if queued >= min_bytes:
                 return
             still = still + 1 if queued == last else 0

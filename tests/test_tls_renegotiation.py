@@ -9,31 +9,26 @@ must not complete before its bytes are encrypted and handed to the kernel.
 from __future__ import annotations
 
 import asyncio
-import fcntl
 import os
 import signal
 import socket
 import subprocess
 import ssl
-import termios
 import threading
-import struct
 
 from typing import Any
 
 import pytest
 
 import slabnet
-from conftest import ForgedTLS12, RawTLS, block_until_records, client_ctx, forgeable, server_ctx
+from conftest import (
+    ForgedTLS12, RawTLS, block_until_records, client_ctx, forgeable, server_ctx, unread,
+)
 from slabnet._slab import LEND_SIZE
 from slabnet._tls import _DRAIN_AT, _LEND_LOW, LEND_PIECE, TLSState
 from slabnet._tls_transport import ANSWERS_MAX
 from test_writer_hardening import WAKE, shrink, small_listener  # noqa: F401 (a fixture)
 from test_tls_streams import connect_retry, free_port, pem_files  # noqa: F401 (fixture)
-
-
-def unread(fd: int) -> int:
-    return struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0" * 4))[0]
 
 
 class SServer:
