@@ -169,12 +169,15 @@ class OutQueue:
         if n:
             if self._tail is not None:
                 self._seal()
-            bufs = self._bufs
-            if bufs is None:
-                bufs = self._bufs = collections.deque()
-            bufs.append(view)
+            self._push(view)
             self.queued += n
             self.end += n
+
+    def _push(self, view: memoryview) -> None:
+        bufs = self._bufs
+        if bufs is None:
+            bufs = self._bufs = collections.deque()
+        bufs.append(view)
 
     def append_small(self, data: bytes | memoryview) -> None:
         """Queue a copy of ``data``, in one buffer with the other small
@@ -192,10 +195,7 @@ class OutQueue:
         tail = self._tail
         self._tail = None
         if tail:
-            bufs = self._bufs
-            if bufs is None:
-                bufs = self._bufs = collections.deque()
-            bufs.append(memoryview(tail))  # (never grown again)
+            self._push(memoryview(tail))  # (never grown again)
 
     def own_pooled(self) -> None:
         """Replace the queued views of the shared write pool by copies (one
@@ -276,12 +276,7 @@ class OutQueue:
                 break
         reqs = self._requests
         if reqs:
-            done = self.sent_total
-            k = 0
-            for req in reqs:
-                if req._end > done:
-                    break
-                k += 1
+            k = bisect.bisect_right(reqs, self.sent_total, key=_end_of)
             if k:
                 finished = reqs[:k]
                 del reqs[:k]
