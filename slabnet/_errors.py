@@ -20,33 +20,51 @@ __all__ = [
 ]
 
 
-class _MessageStr:
-    """``str()`` of an ``ssl.SSLError`` made with one message: the message.
+class _LikeOpenSSL(ssl.SSLError):
+    """An ``ssl.SSLError`` that slabnet raises itself, with what the ``ssl``
+    module's own errors carry: ``errno`` (the ``SSL_ERROR_*`` code),
+    ``library`` and ``reason`` (OpenSSL's name for the failure, the one its
+    own check would have given), and ``str()`` reading ``[SSL: REASON]
+    message``. Code branches on ``exc.reason`` -- a client that falls back
+    to plaintext on ``WRONG_VERSION_NUMBER``, a server that does not log
+    ``HTTP_REQUEST`` -- and a bare ``ssl.SSLError`` has no such attribute.
+    """
 
-    ``ssl.SSLError.__str__`` gives ``str(self.args)`` unless ``strerror`` is
-    set (the ``ssl`` module's own errors set it), so slabnet's would read
-    ``('the peer closed ...',)`` in logs and tracebacks."""
+    errno_code = int(ssl.SSL_ERROR_SSL)
+    reason: str
+    library: str
 
-    args: tuple[object, ...]
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(self.errno_code, f"[SSL: {reason}] {message}")
+        self.message = message
+        self.reason = reason
+        self.library = "SSL"
 
-    def __str__(self) -> str:
-        if len(self.args) == 1:
-            return str(self.args[0])
-        return super().__str__()
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        return self.__class__, (self.message, self.reason)
 
 
-class TLSTruncatedError(_MessageStr, ssl.SSLEOFError):
+class TLSTruncatedError(_LikeOpenSSL, ssl.SSLEOFError):
     """The peer closed TCP without sending a TLS close_notify alert.
 
     An attacker who can inject a FIN could otherwise cut a response short
     unnoticed (RFC 8446 §6.1). Pass ``ssl_ragged_eof=True`` where the
     application protocol frames its own messages (HTTP with Content-Length or
-    chunked encoding) and a plain EOF should be accepted.
+    chunked encoding) and a plain EOF should be accepted. ``reason`` is
+    ``UNEXPECTED_EOF_WHILE_READING``, as OpenSSL 3's.
     """
 
+    errno_code = int(ssl.SSL_ERROR_EOF)
 
-class TLSRecordError(_MessageStr, ssl.SSLError):
-    """The peer sent a TLS record header that cannot be valid."""
+    def __init__(self, message: str, reason: str = "UNEXPECTED_EOF_WHILE_READING") -> None:
+        super().__init__(message, reason)
+
+
+class TLSRecordError(_LikeOpenSSL):
+    """The peer sent a TLS record header that cannot be valid. ``reason``
+    is what OpenSSL's record layer says of such a header (``HTTP_REQUEST``
+    for an HTTP request where TLS was expected, ``WRONG_VERSION_NUMBER``
+    for other bytes that are not TLS, ...; see ``RecordScanner``)."""
 
 
 class HandshakeTimeoutError(ConnectionAbortedError, TimeoutError):

@@ -71,6 +71,14 @@ A header is rejected with ``TLSRecordError`` when it cannot belong to a TLS
   engine lowers the limit with :meth:`RecordScanner.set_max_length` when the
   handshake ends; until then the looser TLS 1.2 bound applies.
 
+The error's ``reason`` is the one OpenSSL's record layer gives the same
+header, as OpenSSL never sees it: ``WRONG_VERSION_NUMBER`` for a major byte
+other than 3 (``HTTP_REQUEST`` or ``HTTPS_PROXY_REQUEST`` if the stream's
+first bytes begin such a request), ``UNEXPECTED_MESSAGE`` for an unknown
+content type (``BAD_RECORD_TYPE`` once TLS 1.3 has been negotiated), and
+``PACKET_LENGTH_TOO_LONG`` (``ENCRYPTED_LENGTH_TOO_LONG`` in TLS 1.3) for a
+length above the limit.
+
 A zero-length record is not rejected here: whether it is legal depends on the
 content type and on keys the scanner does not know, and OpenSSL checks it.
 
@@ -274,14 +282,30 @@ class RecordScanner:
 
     def _add(self, ctype: int, version: int, length: int, offset: int) -> None:
         """Check and append one header (the slow path of :meth:`feed`)."""
-        if ctype not in _TYPE_NAMES:
-            problem = f"unknown content type {ctype}"
-        elif version >> 8 != 3:
-            problem = (
-                f"legacy_record_version 0x{version:04x}: major byte"
-                f" {version >> 8} is not 3"
-            )
+        if version >> 8 != 3 or ctype not in _TYPE_NAMES:
+            # (The version first, as OpenSSL's record layer checks it.)
+            if version >> 8 != 3:
+                reason = "WRONG_VERSION_NUMBER"
+                if offset == 0:
+                    reason = _not_tls(_HEADER.pack(ctype, version, length))
+            elif self._max_length == MAX_LENGTH_TLS13:
+                reason = "BAD_RECORD_TYPE"
+            else:
+                reason = "UNEXPECTED_MESSAGE"
+            if ctype not in _TYPE_NAMES:
+                problem = f"unknown content type {ctype}"
+            else:
+                problem = (
+                    f"legacy_record_version 0x{version:04x}: major byte"
+                    f" {version >> 8} is not 3"
+                )
+            if reason in _NOT_TLS:
+                problem += (
+                    f" (its bytes {_HEADER.pack(ctype, version, length)!r} begin"
+                    f" {_NOT_TLS[reason]}: the peer does not speak TLS)"
+                )
         elif length > self._max_length:
+            reason = _too_long(self._max_length)
             problem = (
                 f"{_TYPE_NAMES[ctype]} record length {length} is above the"
                 f" limit of {self._max_length} bytes"
@@ -298,15 +322,15 @@ class RecordScanner:
             self._parsed += 1
             self._next_header = offset + size
             return
-        self._fail(offset, problem)
+        self._fail(offset, problem, reason)
 
-    def _fail(self, offset: int, problem: str) -> None:
+    def _fail(self, offset: int, problem: str, reason: str) -> None:
         # Stop for good: the bytes from here on are not a TLS stream.
         self.fed = offset
         self._next_header = offset
         self._partial = b""
         self._error = TLSRecordError(
-            f"invalid TLS record header at stream offset {offset}: {problem}"
+            f"invalid TLS record header at stream offset {offset}: {problem}", reason
         )
         raise self._error
 
@@ -337,6 +361,7 @@ class RecordScanner:
                     start + first * size,
                     f"{_TYPE_NAMES[ctype]} record length {length} is above the"
                     f" limit of {max_length} bytes ({_limit_reason(max_length)})",
+                    _too_long(max_length),
                 )
 
     def set_expansion(self, overhead: int, empty_size: int) -> None:
@@ -494,6 +519,30 @@ def _repeats(data: bytes | bytearray | memoryview, first: int, step: int, count:
         if not run:
             break
     return run
+
+
+#: OpenSSL's reasons for a first record that is another protocol's request,
+#: and what it is.
+_NOT_TLS: Final = {
+    "HTTP_REQUEST": "an HTTP request",
+    "HTTPS_PROXY_REQUEST": "an HTTP proxy's CONNECT request",
+}
+
+
+def _not_tls(header: bytes) -> str:
+    """OpenSSL's reason for a stream whose first five bytes are not a TLS
+    record header: it names the two requests a misdirected client sends
+    most (plain HTTP to a TLS port, an HTTP proxy's CONNECT)."""
+    if header.startswith((b"GET ", b"POST ", b"HEAD ", b"PUT ")):
+        return "HTTP_REQUEST"
+    if header.startswith(b"CONNE"):
+        return "HTTPS_PROXY_REQUEST"
+    return "WRONG_VERSION_NUMBER"
+
+
+def _too_long(limit: int) -> str:
+    """OpenSSL's reason for a record longer than ``limit``."""
+    return "ENCRYPTED_LENGTH_TOO_LONG" if limit == MAX_LENGTH_TLS13 else "PACKET_LENGTH_TOO_LONG"
 
 
 def _limit_reason(limit: int) -> str:

@@ -163,6 +163,13 @@ async def recv_exactly(sock: socket.socket, n: int, timeout: float) -> bytes:
     return bytes(got)
 
 
+def openssl_like(exc: BaseException) -> tuple[Any, ...]:
+    """What code that catches an ``ssl.SSLError`` reads of it: ``reason``,
+    ``library``, ``errno``, and whether ``str()`` starts "[SSL: REASON] "."""
+    assert isinstance(exc, ssl.SSLError), repr(exc)
+    return exc.reason, exc.library, exc.errno, str(exc).startswith(f"[SSL: {exc.reason}] ")
+
+
 def hard_close(sock: socket.socket) -> None:
     """Close with SO_LINGER 0: the kernel sends RST instead of FIN."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ssl
 import struct
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import openssl_like, server_ctx
 from slabnet._errors import TLSRecordError
 from slabnet._records import (
     ALERT,
@@ -181,6 +184,63 @@ def test_length_limits() -> None:
     sc.feed(record(APPLICATION_DATA, MAX_LENGTH_TLS13))
     with pytest.raises(TLSRecordError, match="RFC 8446"):
         sc.feed(record(APPLICATION_DATA, MAX_LENGTH_TLS13 + 1))
+
+
+#: A stream's first bytes that are not TLS, and OpenSSL's reason for them.
+NOT_TLS = {
+    "GET": b"GET / HTTP/1.1\r\n\r\n",
+    "POST": b"POST /x HTTP/1.1\r\n",
+    "HEAD": b"HEAD / HTTP/1.1\r\n",
+    "PUT": b"PUT /x HTTP/1.1\r\n",
+    "CONNECT": b"CONNECT a:443 HTTP/1.1\r\n",
+    "DELETE": b"DELETE /x HTTP/1.1\r\n",
+    "response": b"HTTP/1.1 400 Bad Request\r\n\r\n",
+    "version_0503": record(HANDSHAKE, 5, version=0x0503),
+    "type_72": record(72, 5),
+    "heartbeat": record(24, 5),
+    "too_long": record(HANDSHAKE, 0xFFFF)[:40],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(NOT_TLS))
+def test_a_first_header_is_refused_with_openssls_reason(server_cert: Any, kind: str) -> None:
+    # OpenSSL never sees a header the scanner refuses: the error names the
+    # reason OpenSSL's record layer gives the same bytes (here as a server's
+    # first read), which code branches on (HTTP_REQUEST: plain HTTP sent to
+    # a TLS port; WRONG_VERSION_NUMBER: not TLS at all).
+    data = NOT_TLS[kind]
+    with pytest.raises(TLSRecordError) as info:
+        RecordScanner().feed(data)
+    ours = info.value
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    sslobj = server_ctx(server_cert).wrap_bio(incoming, outgoing, server_side=True)
+    incoming.write(data)
+    with pytest.raises(ssl.SSLError) as info:
+        sslobj.do_handshake()
+    assert openssl_like(ours) == openssl_like(info.value)
+    assert str(ours).startswith(f"[SSL: {ours.reason}] invalid TLS record header at stream offset 0: ")
+    if ours.reason in ("HTTP_REQUEST", "HTTPS_PROXY_REQUEST"):
+        assert f"its bytes {data[:5]!r} begin an HTTP" in str(ours)
+
+
+def test_reasons_after_the_first_header_and_in_tls13() -> None:
+    first = record(HANDSHAKE, 40)
+    cases = [
+        (MAX_LENGTH_TLS12, first + b"GET / HTTP/1.1\r\n", "WRONG_VERSION_NUMBER"),  # (not first)
+        (MAX_LENGTH_TLS12, first + record(99, 5), "UNEXPECTED_MESSAGE"),
+        (MAX_LENGTH_TLS13, first + record(99, 5), "BAD_RECORD_TYPE"),
+        (MAX_LENGTH_TLS13, record(APPLICATION_DATA, MAX_LENGTH_TLS13 + 1), "ENCRYPTED_LENGTH_TOO_LONG"),
+        (MAX_LENGTH_TLS12, record(APPLICATION_DATA, MAX_LENGTH_TLS12 + 1), "PACKET_LENGTH_TOO_LONG"),
+    ]
+    for limit, data, reason in cases:
+        with pytest.raises(TLSRecordError) as info:
+            RecordScanner(limit).feed(data)
+        assert (info.value.reason, info.value.library, info.value.errno) == (reason, "SSL", 1)
+    sc = RecordScanner()
+    sc.feed(record(APPLICATION_DATA, MAX_LENGTH_TLS13 + 1))
+    with pytest.raises(TLSRecordError) as info:
+        sc.set_max_length(MAX_LENGTH_TLS13)  # (the handshake ended as TLS 1.3)
+    assert info.value.reason == "ENCRYPTED_LENGTH_TOO_LONG"
 
 
 def test_set_max_length_rechecks_buffered_records() -> None:

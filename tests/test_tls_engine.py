@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import pickle
 import re
 import shutil
 import socket
@@ -24,7 +25,7 @@ import trustme
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from conftest import block_until_records, unread
+from conftest import block_until_records, openssl_like, unread
 from slabnet._errors import TLSRecordError, TLSTruncatedError
 from slabnet._tls import (
     _LEND_LOW,
@@ -719,6 +720,39 @@ def test_eof_inside_a_record_is_always_truncation(
     assert bytes(c.read_chunk()) == b"complete"  # type: ignore[arg-type]
     with pytest.raises(TLSTruncatedError, match="middle of a TLS record"):
         c.read_chunk()
+
+
+@pytest.mark.parametrize("given", ["eof", "http"])
+def test_its_own_ssl_errors_read_as_openssls(
+    ctxs: tuple[ssl.SSLContext, ssl.SSLContext], given: str
+) -> None:
+    # The errors the engine raises itself, where OpenSSL never sees the
+    # input, against what OpenSSL's SSLObject raises for the same input:
+    # the same reason, library and errno, and a pickled copy reads the same.
+    cctx, _ = ctxs
+    data = b"HTTP/1.1 400 Bad Request\r\n\r\n"
+    c = TLSEngine(cctx, server_hostname=HOST)
+    assert c.do_handshake() is False
+    incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
+    theirs = cctx.wrap_bio(incoming, outgoing, server_hostname=HOST)
+    with pytest.raises(ssl.SSLWantReadError):
+        theirs.do_handshake()
+    if given == "eof":
+        c.receive_eof()
+        incoming.write_eof()
+    else:
+        c.receive_data(data)
+        incoming.write(data)
+    with pytest.raises(ssl.SSLError) as info:
+        c.do_handshake()
+    ours = info.value
+    with pytest.raises(ssl.SSLError) as info:
+        theirs.do_handshake()
+    assert type(ours) is (TLSTruncatedError if given == "eof" else TLSRecordError)
+    assert isinstance(ours, type(info.value))
+    assert openssl_like(ours) == openssl_like(info.value)
+    copy = pickle.loads(pickle.dumps(ours))
+    assert (type(copy), str(copy), openssl_like(copy)) == (type(ours), str(ours), openssl_like(ours))
 
 
 def test_tls12_handshake_record_ends_batch(

@@ -31,7 +31,9 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import ForgedTLS12, RawTLS, client_ctx, forgeable, records, server_ctx
+from conftest import (
+    ForgedTLS12, RawTLS, client_ctx, forgeable, openssl_like, records, recv_exactly, server_ctx,
+)
 from test_writer_hardening import WAKE, shrink, small_listener  # noqa: F401 (a fixture)
 from slabnet._errors import TLSRecordError
 from slabnet._records import MAX_LENGTH_TLS12
@@ -770,3 +772,84 @@ async def test_key_update_requests_nobody_reads_stop_the_reads(
         sock.close()
         server.close()
         await server.wait_closed()
+
+
+# ------------------------------------------------- plaintext where TLS belongs
+
+
+@pytest.mark.asyncio
+async def test_a_plain_server_answering_the_hello_fails_as_openssl_says(tls_ca: Any) -> None:
+    # A client dials an HTTP port with TLS, and the server answers the
+    # ClientHello with an HTTP error. asyncio raises OpenSSL's
+    # "[SSL: WRONG_VERSION_NUMBER]" (code falls back to plaintext on that
+    # reason); slabnet's scanner refuses the header before OpenSSL sees it,
+    # and its TLSRecordError had no reason, library or errno: e.reason was
+    # an AttributeError inside the except block.
+    loop = asyncio.get_running_loop()
+    outcomes = []
+    for lib in (asyncio, slabnet):
+        with socket.socket() as ls:
+            ls.bind(("127.0.0.1", 0))
+            ls.listen()
+            ls.setblocking(False)
+
+            async def http_server() -> None:
+                conn, _ = await loop.sock_accept(ls)
+                with conn:
+                    assert await loop.sock_recv(conn, 65536)  # the ClientHello
+                    await loop.sock_sendall(conn, b"HTTP/1.1 400 Bad Request\r\n\r\n")
+                    await loop.sock_recv(conn, 65536)  # until the client goes
+
+            async with asyncio.timeout(WAKE):
+                server = asyncio.create_task(http_server())
+                with pytest.raises(ssl.SSLError) as info:
+                    await lib.open_connection(
+                        "127.0.0.1", ls.getsockname()[1], ssl=client_ctx(tls_ca),
+                        server_hostname="localhost",
+                    )
+                await server
+        outcomes.append(openssl_like(info.value))
+    assert outcomes[1] == outcomes[0] == ("WRONG_VERSION_NUMBER", "SSL", ssl.SSL_ERROR_SSL, True)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "request_line, reason",
+    [(b"GET / HTTP/1.1\r\n", "HTTP_REQUEST"), (b"CONNECT a:443 HTTP/1.1\r\n", "HTTPS_PROXY_REQUEST")],
+    ids=["GET", "CONNECT"],
+)
+async def test_an_http_request_where_starttls_belongs_fails_as_openssl_says(
+    server_cert: Any, request_line: bytes, reason: str
+) -> None:
+    # A server upgrades with STARTTLS and the client sends an HTTP request
+    # instead of its ClientHello: OpenSSL's reason names it.
+    loop = asyncio.get_running_loop()
+    outcomes = []
+    for lib in (asyncio, slabnet):
+        failed: asyncio.Future[BaseException] = loop.create_future()
+
+        async def handle(reader: Any, writer: Any) -> None:
+            assert await reader.readline() == b"STARTTLS\n"
+            writer.write(b"GO\n")
+            await writer.drain()
+            try:
+                await writer.start_tls(server_ctx(server_cert))
+            except Exception as exc:
+                failed.set_result(exc)
+            writer.close()
+
+        server = await lib.start_server(handle, "127.0.0.1", 0)
+        try:
+            async with asyncio.timeout(WAKE):
+                with socket.socket() as sock:
+                    sock.setblocking(False)
+                    await loop.sock_connect(sock, server.sockets[0].getsockname())
+                    await loop.sock_sendall(sock, b"STARTTLS\n")
+                    assert await recv_exactly(sock, 3, WAKE) == b"GO\n"
+                    await loop.sock_sendall(sock, request_line + b"Host: a\r\n\r\n")
+                    exc = await failed
+        finally:
+            server.close()
+            await asyncio.wait_for(server.wait_closed(), WAKE)
+        outcomes.append(openssl_like(exc))
+    assert outcomes[1] == outcomes[0] == (reason, "SSL", ssl.SSL_ERROR_SSL, True)
