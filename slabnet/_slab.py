@@ -37,8 +37,9 @@ what the loop's busy connections hold at once -- each holds a read or two
 while its application works on them -- and then no read allocates. A second
 free slab found behind the reused one moves to the free stack, so the line
 stays as long as the demand; ``trim`` releases the free slabs no read took
-since the previous trim, and after an interval without reads keeps at most
-``_IDLE_KEEP`` bytes, what a loop kept before reads were sized. The list
+since the previous trim, and of the sizes no read used for an interval
+keeps at most ``_IDLE_KEEP`` bytes, what a loop kept before reads were
+sized. The list
 holds at most ``_HELD_MAX`` bytes. Given its loop, a ReadSlab keeps one
 timer on it (per loop, not per connection) that trims while the list holds
 more than ``_IDLE_KEEP``.
@@ -377,7 +378,7 @@ class _Loop(Protocol):
 class _Pool:
     """The slabs of one size a ReadSlab holds."""
 
-    __slots__ = ("size", "out", "free", "low")
+    __slots__ = ("size", "out", "free", "low", "takes")
 
     def __init__(self, size: int) -> None:
         self.size = size
@@ -387,6 +388,8 @@ class _Pool:
         self.free: list[_Slab] = []
         #: the fewest free slabs since the last trim: that many went unused
         self.low = 0
+        #: reservations served since the last trim (none: the pool is idle)
+        self.takes = 0
 
 
 # Every ReadSlab alive in the process, for memory_stats().
@@ -418,8 +421,6 @@ class ReadSlab:
         "_lend",
         "_lending",
         "_held",
-        "_reads_at_trim",
-        "_reads",
         "_loop",
         "_timer",
         "__weakref__",
@@ -442,8 +443,6 @@ class ReadSlab:
         self._lend: memoryview | None = None
         self._lending = False
         self._held = 0  # bytes of the slabs in the pools
-        self._reads = 0
-        self._reads_at_trim = 0
         self._loop: weakref.ref[_Loop] | None = None if loop is None else weakref.ref(loop)
         self._timer = False
         _read_slabs.add(self)
@@ -486,6 +485,7 @@ class ReadSlab:
         size = pool.size
         self._pool = pool
         self._reserved = size
+        pool.takes += 1
         c = _counters
         c.reserved_bytes += size
         out = pool.out
@@ -591,7 +591,6 @@ class ReadSlab:
                 raise RuntimeError(f"{verb}() without a pending reserve()")
             raise ValueError(f"{past} {nbytes} bytes of a {reserved}-byte reservation")
         self._reserved = 0
-        self._reads += 1
         c = _counters
         c.reads += 1
         c.read_bytes += nbytes
@@ -624,24 +623,27 @@ class ReadSlab:
     def trim(self) -> bool:
         """Release the free slabs that went unused since the last trim.
 
-        After an interval without any read, also release the free slabs
-        beyond ``_IDLE_KEEP`` bytes (keeping the largest) and forget the ones
-        still viewed. Returns whether the lists still hold more than
-        ``_IDLE_KEEP`` bytes.
+        A pool that served no reservation since the last trim is idle,
+        whatever the loop's other reads did (reads below ``_SLAB_MIN``, TLS
+        ciphertext, the other sizes): its free slabs beyond ``_IDLE_KEEP``
+        bytes in all (the largest kept) are released and the ones still
+        viewed forgotten. Otherwise only those of its free stack that no read
+        took are. So a loop that had a burst of bulk reads and now carries
+        only small ones -- keepalives, a signalling trickle -- returns to
+        what an idle one holds. Returns whether the lists still hold more
+        than ``_IDLE_KEEP`` bytes.
 
         Ends a pending reservation, which on a loop can only be one that was
         abandoned (a read is reserved and committed in one loop callback):
         a ``commit`` after ``trim`` raises ``RuntimeError``.
         """
-        idle = self._reads == self._reads_at_trim
-        self._reads_at_trim = self._reads
         self._reserved = 0
         self._buf = None
         self._lending = False
         keep = _IDLE_KEEP
         for pool in sorted(self._pools.values(), key=lambda p: -p.size):
             free = pool.free
-            if idle:
+            if not pool.takes:
                 for slab in pool.out:
                     if _exported(slab):
                         self._forget(slab)  # the application keeps it
@@ -653,6 +655,7 @@ class ReadSlab:
                 drop = len(free) - n
             else:
                 drop = pool.low
+                pool.takes = 0
             for slab in free[:drop]:
                 self._forget(slab)
             del free[:drop]

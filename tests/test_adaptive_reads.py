@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import slabnet
 from conftest import unread
 from slabnet._transport import _PAUSED_READ
-from slabnet import _slab
+from slabnet import _slab, _transport
 from slabnet._slab import READ_SIZES, ReadSizer, ReadSlab
 
 KiB = 1024
@@ -203,6 +203,27 @@ def test_trim_releases_what_went_unused_and_an_idle_trim_keeps_little() -> None:
     assert bytes(kept_view) == b"aaaa"
 
 
+def test_a_trim_releases_the_slabs_of_sizes_that_small_reads_left_idle() -> None:
+    # A burst on 16 connections, then only reads below _SLAB_MIN (one
+    # connection's keepalives) and TLS ciphertext (lent): the loop is never
+    # without reads, but no read uses a slab. The trims kept all 16 (4 MiB)
+    # for as long as any read came, as the slabs that went back into the
+    # line handed out were never looked at again.
+    slab = ReadSlab()
+    conns = [ReadSizer(CEILING) for _ in range(16)]
+    held: list[memoryview] = [read(slab, s, CEILING) for s in conns]
+    del held
+    assert slab._held == 16 * CEILING
+    trickle = ReadSizer(FLOOR)
+    for _ in range(3):
+        read(slab, trickle, 5)
+        slab.reserve_lent()
+        slab.consume(100)
+        slab.trim()
+    assert slab._held <= _slab._IDLE_KEEP
+    assert trickle.size < _slab._SLAB_MIN  # (every read was one of its own)
+
+
 def test_list_is_bounded_and_a_full_list_forgets_viewed_slabs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -287,6 +308,20 @@ async def connect_paused(port: int, rcvbuf: int) -> tuple[Any, slabnet.SlabProto
     return raw, proto, app, sock
 
 
+async def next_full_read(app: Pausing, proto: slabnet.SlabProtocol, sock: socket.socket, left: int) -> memoryview:
+    """Resume ``app`` once the kernel holds 192 KiB (or the ``left`` bytes
+    still to come, less what a read made while paused holds) and return the
+    chunk of the read that follows."""
+    held = 0 if proto._held is None else len(proto._held)
+    want = min(192 * KiB, left - held)
+    while unread(sock) < want:
+        await asyncio.sleep(0.002)
+    app.transport.resume_reading()
+    chunk = await app.chunks.get()
+    assert chunk is not None
+    return chunk
+
+
 @pytest.mark.asyncio
 async def test_bulk_stream_grows_to_256k_reads() -> None:
     """Every read finds at least 192 KiB waiting (the test waits for the
@@ -312,13 +347,7 @@ async def test_bulk_stream_grows_to_256k_reads() -> None:
     try:
         async with asyncio.timeout(20):
             while len(got) < total:
-                held = 0 if proto._held is None else len(proto._held)
-                want = min(192 * KiB, total - len(got) - held)
-                while unread(sock) < want:
-                    await asyncio.sleep(0.002)
-                app.transport.resume_reading()
-                chunk = await app.chunks.get()
-                assert chunk is not None
+                chunk = await next_full_read(app, proto, sock, total - len(got))
                 got += chunk
                 if len(chunk) <= _PAUSED_READ:
                     # A read made while paused (it held these bytes and
@@ -334,6 +363,54 @@ async def test_bulk_stream_grows_to_256k_reads() -> None:
     assert sizes[0] == (64 * KiB, 64 * KiB, 256 * KiB)  # full: grown four times
     for n, backing, size in sizes[1:-1]:
         assert n >= 192 * KiB and backing == 256 * KiB and size == 256 * KiB, sizes
+
+
+@pytest.mark.asyncio
+async def test_slabs_of_a_burst_are_released_while_a_trickle_goes_on(
+    listener: socket.socket,
+) -> None:
+    """A burst of 256 KiB reads, every chunk kept until its end, then
+    5-byte pings on the same connection: once the reads are below the slab
+    size, the trims bring the loop's lists back to what an idle loop keeps,
+    though a read comes between any two trims. (They kept the burst's slabs
+    for as long as the pings went on.)"""
+    loop = asyncio.get_running_loop()
+    total = 12 * 256 * KiB
+    slab = _transport.get_slab()
+    async with asyncio.timeout(20):
+        connecting = asyncio.ensure_future(connect_paused(listener.getsockname()[1], 1024 * KiB))
+        peer, _ = await loop.sock_accept(listener)
+        raw, proto, app, sock = await connecting
+    try:
+        async with asyncio.timeout(20):
+            await loop.sock_sendall(peer, bytes(total))
+            kept = []
+            got = 0
+            while got < total:
+                kept.append(await next_full_read(app, proto, sock, total - got))
+                got += len(kept[-1])
+            assert slab._held > 4 * _slab._IDLE_KEEP  # (the burst's slabs)
+            del kept
+
+            async def ping() -> None:
+                await loop.sock_sendall(peer, b"ping!")
+                while not unread(sock):
+                    await asyncio.sleep(0.002)
+                app.transport.resume_reading()
+                assert await app.chunks.get() == b"ping!"
+
+            for _ in range(40):  # until the reads are below the slab size
+                await ping()
+                if proto._sizer.size < _slab._SLAB_MIN:
+                    break
+            assert proto._sizer.size < _slab._SLAB_MIN
+            slab.trim()  # (the last slab read was before this trim)
+            await ping()
+            slab.trim()
+            assert slab._held <= _slab._IDLE_KEEP
+    finally:
+        peer.close()
+        raw.close()
 
 
 @pytest.mark.asyncio
