@@ -1206,6 +1206,8 @@ def _serving(server: asyncio.Server) -> asyncio.Server:
 
     def abort_slabnet_clients() -> None:
         for raw in list(clients):
+            if not isinstance(raw, asyncio.BaseTransport):
+                continue  # (ours, outliving the loop's: abort_clients() aborts it)
             proto = raw.get_protocol()
             tr = proto._transport if isinstance(proto, SlabProtocol) else None
             if tr is not None:

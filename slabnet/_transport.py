@@ -43,7 +43,9 @@ never writes; it still reads, shuts the write side down (``write_eof``) and
 performs the final close, after slabnet's queue is empty. If the loop
 closes its transport first (``Server.close_clients()``), the duplicate
 holds the connection: the queue goes out on it, then it is closed
-(``_outlive_raw``). Once the loop's transport is closing, its descriptor is
+(``_outlive_raw``); meanwhile a 3.13 ``Server`` counts it among its clients
+(``_OutlivingClient``), so ``wait_closed()`` waits for it and
+``abort_clients()`` drops it. Once the loop's transport is closing, its descriptor is
 used only while it is still this socket (``fstat`` inode): uvloop closes it
 at once, and its number may already be another connection's.
 
@@ -497,6 +499,34 @@ class WriteGate(_FlowControlBase):
         raise NotImplementedError
 
 
+class _OutlivingClient:
+    """A ``SlabTransport`` that outlives the loop's transport (see
+    ``_outlive_raw``), as its ``Server`` (3.13) counts it among its clients
+    meanwhile: in their place, a loop's transport still flushing its buffer
+    stays there until it is lost. So ``wait_closed()`` waits for the queue
+    to go out, ``close_clients()`` lets it, and ``abort_clients()`` drops it
+    (the loop detached its own transport already, and the Server saw no
+    client left: ``wait_closed()`` returned while slabnet still sent, and
+    ``abort_clients()`` reached nothing, so a client that never read kept
+    the connection, its queue and a descriptor)."""
+
+    __slots__ = ("_transport", "_server", "__weakref__")
+
+    def __init__(self, transport: SlabTransport, server: Any) -> None:
+        self._transport = transport
+        self._server = server
+        server._clients.add(self)  # (the Server holds it weakly; the transport holds it)
+
+    def close(self) -> None:
+        pass  # (it is closing: the queue goes out, then the connection ends)
+
+    def abort(self) -> None:
+        self._transport.abort()
+
+    def detach(self) -> None:
+        self._server._detach(self)
+
+
 class SlabTransport(WriteGate):
     """The transport of a plain connection. Made by ``SlabProtocol``."""
 
@@ -510,7 +540,7 @@ class SlabTransport(WriteGate):
         "_proto", "_raw", "_pool", "_state", "_closing", "_out", "_fd",
         "_ino", "_dupfd", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
         "_flush_scheduled", "_corked", "_corked_pieces", "_eof_sent", "_error", "_raw_gone",
-        "_fresh",
+        "_fresh", "_outliving",
     )
 
     def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, pool: BufferPool) -> None:
@@ -537,6 +567,7 @@ class SlabTransport(WriteGate):
         self._eof_sent = False
         self._error: BaseException | None = None
         self._raw_gone = False  # the loop closed its transport with bytes queued
+        self._outliving: _OutlivingClient | None = None  # in its Server's clients meanwhile
         self._init_gate()
 
     # ------------------------------------------------ lifecycle gate
@@ -972,6 +1003,9 @@ class SlabTransport(WriteGate):
         self._raw_gone = True
         if self._state is _State.OPEN:
             self._set_state(_State.CLOSING)  # later writes are dropped
+        server = getattr(self._raw, "_server", None)  # (still set: the loop detaches after this)
+        if isinstance(getattr(server, "_clients", None), weakref.WeakSet):
+            self._outliving = _OutlivingClient(self, server)
         return True
 
     def _connection_lost(self, exc: BaseException | None) -> BaseException | None:
@@ -986,6 +1020,9 @@ class SlabTransport(WriteGate):
         traceback.)"""
         if isinstance(exc, OSError):
             exc = untraced(exc)
+        if self._outliving is not None:
+            self._outliving.detach()
+            self._outliving = None
         err = self._error or exc
         self._out.fail(err or ConnectionResetError("connection lost with data unsent"))
         self._close_sock()
