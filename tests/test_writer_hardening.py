@@ -263,15 +263,27 @@ async def test_abort_after_the_loop_transport_closed_drops_the_queue() -> None:
 
 @pytest.mark.skipif(sys.version_info < (3, 13), reason="Server.abort_clients() is new in 3.13")
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("first", ["abort", "close_clients_then_abort"])
 @pytest.mark.asyncio
 async def test_abort_clients_drops_the_queue(
-    tls: bool, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+    tls: bool, first: str, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
 ) -> None:
     # Server.abort_clients() aborts the loop's transports. To slabnet that
     # looked like close_clients()'s graceful close (connection_lost(None)
     # either way), so a queue waiting on its duplicate descriptor was still
     # sent, for as long as the client took to read it: a client that never
     # reads -- the one abort_clients() is for -- kept its connection open.
+    #
+    # close_clients_then_abort: the shutdown asyncio's docs show (close(),
+    # close_clients(), a bounded wait_closed(), then abort_clients() for the
+    # clients that did not finish). After close_clients() the loop's
+    # transport is gone and slabnet still sends its queue on the duplicate
+    # descriptor, but the Server saw no client left: wait_closed() returned
+    # at once, and abort_clients() reached nothing, so a client that never
+    # read kept the connection, the queue and a descriptor. asyncio's
+    # transport, still flushing, stays among the Server's clients until it
+    # is lost.
     if type(asyncio.get_running_loop()).__module__.startswith("uvloop"):
         pytest.skip("uvloop's Server has no abort_clients()")
     baseline = open_fds()
@@ -279,6 +291,12 @@ async def test_abort_clients_drops_the_queue(
         tls, tls_server_context, tls_client_context
     )
     assert server_writer.transport.get_write_buffer_size() > PAYLOAD // 2
+    if first == "close_clients_then_abort":
+        server.close()
+        server.close_clients()
+        waiting = asyncio.ensure_future(server.wait_closed())
+        done, _ = await asyncio.wait([waiting], timeout=0.2)
+        assert not done  # the queue is still going out, to a client that does not read
     server.abort_clients()
     await asyncio.wait_for(closed, WAKE)  # without the client reading a byte
     data, exc = await read_to_end(reader)
@@ -286,41 +304,6 @@ async def test_abort_clients_drops_the_queue(
     writer.close()
     server.close()
     await asyncio.wait_for(server.wait_closed(), WAKE)
-    assert await fds_settle(baseline) <= baseline
-
-
-@pytest.mark.skipif(sys.version_info < (3, 13), reason="Server.close_clients() is new in 3.13")
-@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
-@pytest.mark.asyncio
-async def test_after_close_clients_wait_closed_waits_and_abort_clients_drops_the_queue(
-    tls: bool, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
-) -> None:
-    # The shutdown asyncio's docs show: close(), close_clients(), a bounded
-    # wait_closed(), then abort_clients() for the clients that did not
-    # finish. After close_clients() the loop's transport is gone and slabnet
-    # still sends its queue on the duplicate descriptor, but the Server saw
-    # no client left: wait_closed() returned at once, and abort_clients()
-    # reached nothing, so a client that never read kept the connection, the
-    # queue and a descriptor. asyncio's transport, still flushing, stays
-    # among the Server's clients until it is lost.
-    if type(asyncio.get_running_loop()).__module__.startswith("uvloop"):
-        pytest.skip("uvloop's Server has no close_clients()")
-    baseline = open_fds()
-    server, closed, reader, writer, server_writer = await backlogged_connection(
-        tls, tls_server_context, tls_client_context
-    )
-    assert server_writer.transport.get_write_buffer_size() > PAYLOAD // 2
-    server.close()
-    server.close_clients()
-    waiting = asyncio.ensure_future(server.wait_closed())
-    done, _ = await asyncio.wait([waiting], timeout=0.2)
-    assert not done  # the queue is still going out, to a client that does not read
-    server.abort_clients()
-    await asyncio.wait_for(closed, WAKE)
-    await asyncio.wait_for(waiting, WAKE)
-    data, exc = await read_to_end(reader)
-    assert len(data) < PAYLOAD // 2  # the queue was dropped, as asyncio's buffer is
-    writer.close()
     assert await fds_settle(baseline) <= baseline
 
 
