@@ -26,9 +26,11 @@ reading during it (as asyncio's SSL transport does); pausing pauses the
 plain connection, whose next read takes in at most 1 KiB, holds it and
 pauses the socket, so the engine's BIO never grows while the app is paused.
 
-Writes. Plaintext written during a loop iteration is gathered and encrypted
-in one ``write_many`` at the end of it (or once ``CORK_LIMIT`` bytes wait),
-so records are as full as possible; the ciphertext goes to the plain
+Writes. A connection's first write of a loop iteration, or its first after
+a read, is encrypted and sent at once (one record). The plaintext written
+after it during the iteration is gathered and encrypted in one
+``write_many`` at the end of it (or once ``CORK_LIMIT`` bytes wait), so
+records are as full as possible; the ciphertext goes to the plain
 connection in one ``writelines``, as pieces, never joined. A write that
 cannot be sent at once (the plain connection has a queue, or the handshake
 is not done) gets a ``WriteRequest``, which completes once its ciphertext
@@ -73,7 +75,8 @@ from ._errors import (
 )
 from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import (
-    CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep, chunk_deliverer, flow_limits,
+    CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep, _loop_resources, chunk_deliverer,
+    flow_limits,
 )
 from ._write import WriteRequest
 
@@ -207,9 +210,10 @@ class TLSTransport(WriteGate):
         self._plain: list[memoryview] = []  # plaintext for the next flush
         self._plain_bytes = 0
         self._flush_scheduled = False
-        # A read came since the last write, which then goes at once (see
-        # _gather; SlabTransport.write does the same).
-        self._fresh = False
+        # The iteration of the last write encrypted at once; -1 once a read
+        # came (see _gather; SlabTransport.write does the same).
+        self._iterations = _loop_resources(loop).iterations
+        self._sent_in = -1
         self._reqs: list[WriteRequest] = []  # waiting for encryption
         # Requests whose plaintext the engine holds until a renegotiation
         # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
@@ -267,7 +271,7 @@ class TLSTransport(WriteGate):
         if engine is None:
             return  # set-up failed: the connection is being aborted
         if self._stage is not _Stage.HANDSHAKE:
-            self._fresh = True
+            self._sent_in = -1
             # A whole read is delivered even if the app pauses during it.
             self._pump(not self._reading_paused, False, data)
             return
@@ -514,11 +518,13 @@ class TLSTransport(WriteGate):
         if self._closing or self._eof_requested:
             if not self._check_writable():
                 return None
-        fresh, self._fresh = self._fresh, False  # (one record for them all)
+        first = self._sent_in != self._iterations.now
+        if first:  # (one record for them all, at once)
+            self._sent_in = self._iterations.mark(self._loop)
         req = None
         for v in views:
             req = self._gather(v, v.nbytes) or req
-        if fresh and self._plain and self._stage is _Stage.READY:
+        if first and self._plain and self._stage is _Stage.READY:
             self._flush()
         return req
 
@@ -536,11 +542,16 @@ class TLSTransport(WriteGate):
             req = WriteRequest(n, -1)
             self._reqs.append(req)
         if stage is _Stage.READY:
-            if self._plain_bytes >= CORK_LIMIT or self._fresh:
-                # A reply to what was read goes at once (one record, no
-                # callback); what follows it in this iteration is gathered.
-                self._fresh = False
+            if self._sent_in != self._iterations.now:
+                # The first write of an iteration, or the first after a
+                # read, is encrypted and sent at once: a frame sent on a
+                # timer or a reply waits for no callback. What follows it in
+                # the same iteration is gathered into one record.
+                self._sent_in = self._iterations.mark(self._loop)
                 self._flush()  # (checks the pause itself)
+                return req
+            if self._plain_bytes >= CORK_LIMIT:
+                self._flush()
                 return req
             if not self._flush_scheduled:
                 self._flush_scheduled = True

@@ -51,11 +51,13 @@ at once, and its number may already be another connection's.
 
 * A write with nothing queued before it goes straight to ``send``; if the
   kernel takes it all, no object is made and ``write`` returns ``None``.
-* A small write (below ``BufferPool.small_limit``) is copied into the loop's
-  pool and sent, with every other small write of the same loop iteration, by
-  one ``sendmsg`` from a ``call_soon`` callback -- or at once when 64 KiB,
-  or 1024 writes (``IOV_MAX``), have gathered. The first small write after a
-  read (a reply) goes straight to ``send`` instead, as a large one does.
+* A connection's first small write (below ``BufferPool.small_limit``) of a
+  loop iteration, or its first after a read, goes straight to ``send`` as a
+  large one does: a reply, or a frame sent on a timer. The small writes after
+  it in the same iteration are copied into the loop's pool and sent together
+  by one ``sendmsg`` from a ``call_soon`` callback -- or at once when 64 KiB,
+  or 1024 writes (``IOV_MAX``), have gathered. (``_Iterations`` tells the
+  iterations apart with one callback per loop, not per connection.)
 * What the kernel does not take waits in an ``OutQueue`` (memoryview slices,
   no joins), and the caller gets a ``WriteRequest``.
 
@@ -140,12 +142,40 @@ _IMMUTABLE: Final = frozenset({bytes, _Slab, _Sealed})
 # ---------------------------------------------------------------- per loop
 
 
+class _Iterations:
+    """Tells a loop's iterations apart, for the write path.
+
+    ``now`` is the same number throughout an iteration and a new one in the
+    next, once a connection asked by ``mark``: one callback per loop and
+    iteration in which slabnet wrote, however many connections did. (The
+    callback runs among the next iteration's; a write made there before it
+    counts as the earlier iteration's, and is merely gathered.)"""
+
+    __slots__ = ("now", "_armed")
+
+    def __init__(self) -> None:
+        self.now = 0
+        self._armed = False
+
+    def mark(self, loop: asyncio.AbstractEventLoop) -> int:
+        """``now``, which changes after this iteration."""
+        if not self._armed:
+            self._armed = True
+            loop.call_soon(self._advance)
+        return self.now
+
+    def _advance(self) -> None:
+        self.now += 1
+        self._armed = False
+
+
 class _LoopResources:
-    __slots__ = ("slab", "pool", "__weakref__")
+    __slots__ = ("slab", "pool", "iterations", "__weakref__")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.slab = ReadSlab(loop=loop)
         self.pool = BufferPool()
+        self.iterations = _Iterations()
 
 
 _resources: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopResources] = (
@@ -537,17 +567,18 @@ class SlabTransport(WriteGate):
     # (Slots: an idle server holds one of these per connection. ``_loop``
     # is a slot of asyncio's _FlowControlMixin, under WriteGate.)
     __slots__ = (
-        "_proto", "_raw", "_pool", "_state", "_closing", "_out", "_fd",
+        "_proto", "_raw", "_pool", "_iterations", "_state", "_closing", "_out", "_fd",
         "_ino", "_dupfd", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
         "_flush_scheduled", "_corked", "_corked_pieces", "_eof_sent", "_error", "_raw_gone",
-        "_fresh", "_outliving",
+        "_sent_in", "_outliving",
     )
 
-    def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, pool: BufferPool) -> None:
+    def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, res: _LoopResources) -> None:
         super().__init__(loop=proto.loop)  # (sets _loop)
         self._proto = proto
         self._raw = raw
-        self._pool = pool
+        self._pool = res.pool
+        self._iterations = res.iterations
         self._state = _State.OPEN
         self._closing = False  # derived from _state by _set_state: a hot check
         self._out = OutQueue()
@@ -561,7 +592,9 @@ class SlabTransport(WriteGate):
         self._poll: asyncio.TimerHandle | None = None  # EMFILE: polling instead
         self._poll_delay = _POLL_MIN
         self._flush_scheduled = False
-        self._fresh = False  # a read came since the last write (see write)
+        # The iteration of the last small write sent at once; -1 once a read
+        # came, so that the next one goes at once too (see write).
+        self._sent_in = -1
         self._corked = 0  # pooled bytes waiting for the end-of-iteration flush
         self._corked_pieces = 0  # and the writes they came in
         self._eof_sent = False
@@ -632,12 +665,14 @@ class SlabTransport(WriteGate):
                 return None
         out = self._out
         if n < self._pool.small_limit:
-            if self._fresh and not out:
-                # The first write after a read (a reply, most often) goes
-                # straight to the kernel: waiting for the end of the
-                # iteration would cost a callback and, on both loops, one
-                # more loop iteration for each request and reply.
-                self._fresh = False
+            if not out and self._sent_in != self._iterations.now:
+                # The first small write of an iteration, or the first after a
+                # read, goes straight to the kernel: a frame sent on a timer
+                # or a reply waits for nothing (waiting for the end of the
+                # iteration would cost a copy, a callback and, for a reply,
+                # one more loop iteration on both loops). Those after it in
+                # the same iteration are gathered into one sendmsg.
+                self._sent_in = self._iterations.mark(self._loop)
                 return self._send_now([memoryview(view)], n)
             if self._waiting_writable:
                 # The kernel is full: the bytes wait in the queue's own
@@ -1131,7 +1166,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
     """
 
     __slots__ = (
-        "loop", "upper", "_slab", "_pool", "_sizer", "_waiter", "_ready_when_made",
+        "loop", "upper", "_slab", "_res", "_sizer", "_waiter", "_ready_when_made",
         "_deliver", "_borrows", "_raw", "_transport", "_upper_made", "_lost",
         "_lazy_pause", "_paused", "_socket_paused", "_eof", "_pause_buf", "_held",
         "_release_scheduled", "_stopped", "_eof_held",
@@ -1155,7 +1190,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self.loop = loop or asyncio.get_running_loop()
         res = _loop_resources(self.loop)
         self._slab = slab or res.slab
-        self._pool = res.pool
+        self._res = res
         self._sizer = ReadSizer()  # this connection's plain read size
         self._waiter = handshake_waiter
         # Plain: the app is ready when it has its transport. With TLS the
@@ -1219,7 +1254,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         transport = cast(asyncio.Transport, transport)
         self._raw = transport
         try:
-            self._transport = tr = SlabTransport(self, transport, self._pool)
+            self._transport = tr = SlabTransport(self, transport, self._res)
         except Exception as exc:  # (no socket behind the transport)
             self._setup_failed(exc)
             return
@@ -1246,7 +1281,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         # what it was there.)
         tr = self._transport
         if tr is not None:
-            tr._fresh = True  # (see SlabTransport.write)
+            tr._sent_in = -1  # (see SlabTransport.write)
         if self._paused:
             self._hold(nbytes)
         elif self._borrows:

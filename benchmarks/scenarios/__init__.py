@@ -7,7 +7,7 @@ import importlib
 from ..core import Scenario
 
 # Order in which the runner executes and reports them.
-NAMES = ("tcp_s2c", "tls_s2c", "busy", "c2s", "burst", "echo", "rpc", "retention", "idle",
+NAMES = ("tcp_s2c", "tls_s2c", "busy", "c2s", "burst", "echo", "rpc", "frames", "retention", "idle",
          "httpx_download", "httpx_requests", "httpx_idle")
 
 
