@@ -773,6 +773,18 @@ class TLSEngine:
         if run:
             write(run[0] if len(run) == 1 else b"".join(run))
 
+    def write_alone(self, data: Buffer) -> bytes | None:
+        """Encrypt ``data``, at most ``MAX_FRAGMENT`` bytes, and return its
+        ciphertext (one record), when nothing else waits to be encrypted or
+        taken out; else None, having done nothing (``write_many`` then)."""
+        if (
+            self._state is not _OPEN or self._blocked or self._renegotiating
+            or self._shutdown_after_writes or self._sealed or self._outgoing.pending
+        ):
+            return None
+        self._ssl_io(_Op.WRITE, data)  # (held, if a renegotiation began)
+        return self._outgoing.read()
+
     def _write_one(self, data: Buffer) -> None:
         size = data.nbytes if isinstance(data, memoryview) else len(data)
         if size <= WRITE_SLICE:

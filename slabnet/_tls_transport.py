@@ -509,6 +509,31 @@ class TLSTransport(WriteGate):
         if self._closing or self._eof_requested:
             if not self._check_writable():
                 return None
+        if (
+            self._sent_in != self._iterations.now and not self._plain
+            and n <= MAX_FRAGMENT and self._stage is _Stage.READY
+        ):
+            lower, engine = self._lower, self._engine
+            assert lower is not None and engine is not None
+            if not lower.get_write_buffer_size():
+                # The first write of an iteration, nothing gathered or
+                # queued: one record, sent at once (what _gather and
+                # _encrypt would do, without their lists).
+                try:
+                    cipher = engine.write_alone(view)
+                except Exception as exc:  # (as in _flush)
+                    self._abort(untraced(exc))
+                    return None
+                if cipher is not None:
+                    self._sent_in = self._iterations.mark(self._loop)
+                    if cipher:
+                        lower.write(cipher)
+                    if engine.held_plaintext:
+                        if engine.plaintext_waiting and not self._reading_paused:
+                            self._loop.call_soon(self._pump)
+                    if engine.held_plaintext or lower.get_write_buffer_size():
+                        self._check_pause()
+                    return None
         return self._gather(memoryview(view), n)
 
     def writelines(self, list_of_data: Iterable[Any]) -> WriteRequest | None:  # type: ignore[override]

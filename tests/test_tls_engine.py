@@ -294,6 +294,30 @@ def test_write_many_joins_small_buffers(ctxs: tuple[ssl.SSLContext, ssl.SSLConte
     assert b"".join(bytes(x) for x in drain(c)) == b"".join(small) + b"a" + big + b"bc"
 
 
+def test_write_alone_is_one_record_or_nothing(
+    ctxs: tuple[ssl.SSLContext, ssl.SSLContext],
+) -> None:
+    # The transport's first write of an iteration: one record back, or None
+    # and nothing done where anything else waits, so order always holds.
+    c, s = make_pair(ctxs)
+    s.data_to_send()  # (what the handshake left: session tickets)
+    record = s.write_alone(b"frame 0")
+    assert record is not None and len(split_records(record)) == 1
+    assert s.data_to_send() == b""  # all of it was handed back
+    s.write(b"queued")  # ciphertext waits in the engine: behind it, not alone
+    assert s.write_alone(b"frame 1") is None
+    pending = s.data_to_send()
+    record2 = s.write_alone(b"frame 1")
+    assert record2 is not None
+    c.receive_data(record + pending + record2)
+    assert b"".join(bytes(x) for x in drain(c)) == b"frame 0queuedframe 1"
+    calls = s.write_calls
+    s.start_shutdown()
+    assert s.write_alone(b"late") is None and s.write_calls == calls
+    fresh = TLSEngine(ctxs[0], server_hostname=HOST)  # before its handshake
+    assert fresh.write_alone(b"early") is None and fresh.write_calls == 0
+
+
 def test_coalescing(ctxs: tuple[ssl.SSLContext, ssl.SSLContext]) -> None:
     c, s = make_pair(ctxs)
     msgs = [os.urandom(700 + i) for i in range(100)]
