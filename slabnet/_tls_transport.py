@@ -75,8 +75,8 @@ from ._errors import (
 )
 from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import (
-    CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep, _loop_resources, chunk_deliverer,
-    flow_limits,
+    _AFTER_READ, _NOT_YET, CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep,
+    _loop_resources, chunk_deliverer, flow_limits,
 )
 from ._write import WriteRequest
 
@@ -210,10 +210,10 @@ class TLSTransport(WriteGate):
         self._plain: list[memoryview] = []  # plaintext for the next flush
         self._plain_bytes = 0
         self._flush_scheduled = False
-        # The iteration of the last write encrypted at once; -1 once a read
-        # came (see _gather; SlabTransport.write does the same).
+        # The iteration of the last write encrypted at once, or _AFTER_READ
+        # (see write and _gather; SlabTransport.write does the same).
         self._iterations = _loop_resources(loop).iterations
-        self._sent_in = -1
+        self._sent_in = _NOT_YET
         self._reqs: list[WriteRequest] = []  # waiting for encryption
         # Requests whose plaintext the engine holds until a renegotiation
         # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
@@ -271,7 +271,7 @@ class TLSTransport(WriteGate):
         if engine is None:
             return  # set-up failed: the connection is being aborted
         if self._stage is not _Stage.HANDSHAKE:
-            self._sent_in = -1
+            self._sent_in = _AFTER_READ
             # A whole read is delivered even if the app pauses during it.
             self._pump(not self._reading_paused, False, data)
             return
@@ -525,7 +525,7 @@ class TLSTransport(WriteGate):
                     self._abort(untraced(exc))
                     return None
                 if cipher is not None:
-                    self._sent_in = self._iterations.mark(self._loop)
+                    self._stamp()
                     if cipher:
                         lower.write(cipher)
                     if engine.held_plaintext:
@@ -545,7 +545,7 @@ class TLSTransport(WriteGate):
                 return None
         first = self._sent_in != self._iterations.now
         if first:  # (one record for them all, at once)
-            self._sent_in = self._iterations.mark(self._loop)
+            self._stamp()
         req = None
         for v in views:
             req = self._gather(v, v.nbytes) or req
@@ -572,7 +572,7 @@ class TLSTransport(WriteGate):
                 # read, is encrypted and sent at once: a frame sent on a
                 # timer or a reply waits for no callback. What follows it in
                 # the same iteration is gathered into one record.
-                self._sent_in = self._iterations.mark(self._loop)
+                self._stamp()
                 self._flush()  # (checks the pause itself)
                 return req
             if self._plain_bytes >= CORK_LIMIT:
@@ -581,9 +581,16 @@ class TLSTransport(WriteGate):
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon(self._flush_soon)
+                self._iterations.mark(self._loop)  # (as SlabTransport.write)
         if queued + self._plain_bytes > self._high:
             self._check_pause()
         return req
+
+    def _stamp(self) -> None:
+        """A write goes at once: note this iteration. A callback tells the
+        next one apart, unless a read came (the next read will)."""
+        its = self._iterations
+        self._sent_in = its.now if self._sent_in == _AFTER_READ else its.mark(self._loop)
 
     def can_write_eof(self) -> bool:
         return False

@@ -142,12 +142,20 @@ _IMMUTABLE: Final = frozenset({bytes, _Slab, _Sealed})
 # ---------------------------------------------------------------- per loop
 
 
+#: ``SlabTransport._sent_in`` (and ``TLSTransport``'s) once a read came: the
+#: next small write goes at once, and needs no ``_Iterations.mark`` -- the
+#: next read will say so again. Before any write or read, ``_NOT_YET``.
+_AFTER_READ: Final = -1
+_NOT_YET: Final = -2
+
+
 class _Iterations:
     """Tells a loop's iterations apart, for the write path.
 
     ``now`` is the same number throughout an iteration and a new one in the
     next, once a connection asked by ``mark``: one callback per loop and
-    iteration in which slabnet wrote, however many connections did. (The
+    iteration in which slabnet sent a write on a timer's turn or gathered
+    some, however many connections did; none for replies to reads. (The
     callback runs among the next iteration's; a write made there before it
     counts as the earlier iteration's, and is merely gathered.)"""
 
@@ -592,9 +600,9 @@ class SlabTransport(WriteGate):
         self._poll: asyncio.TimerHandle | None = None  # EMFILE: polling instead
         self._poll_delay = _POLL_MIN
         self._flush_scheduled = False
-        # The iteration of the last small write sent at once; -1 once a read
-        # came, so that the next one goes at once too (see write).
-        self._sent_in = -1
+        # The iteration of the last small write sent at once, or
+        # _AFTER_READ: the next one goes at once too (see write).
+        self._sent_in = _NOT_YET
         self._corked = 0  # pooled bytes waiting for the end-of-iteration flush
         self._corked_pieces = 0  # and the writes they came in
         self._eof_sent = False
@@ -665,14 +673,18 @@ class SlabTransport(WriteGate):
                 return None
         out = self._out
         if n < self._pool.small_limit:
-            if not out and self._sent_in != self._iterations.now:
+            sent_in = self._sent_in
+            if not out and sent_in != self._iterations.now:
                 # The first small write of an iteration, or the first after a
                 # read, goes straight to the kernel: a frame sent on a timer
                 # or a reply waits for nothing (waiting for the end of the
                 # iteration would cost a copy, a callback and, for a reply,
                 # one more loop iteration on both loops). Those after it in
                 # the same iteration are gathered into one sendmsg.
-                self._sent_in = self._iterations.mark(self._loop)
+                if sent_in == _AFTER_READ:
+                    self._sent_in = self._iterations.now  # (no callback)
+                else:
+                    self._sent_in = self._iterations.mark(self._loop)
                 return self._send_now([memoryview(view)], n)
             if self._waiting_writable:
                 # The kernel is full: the bytes wait in the queue's own
@@ -696,6 +708,9 @@ class SlabTransport(WriteGate):
             elif not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon(self._flush_soon)
+                # (A reply's iteration armed nothing: the next iteration
+                # must be told from this one for the next write to go at once.)
+                self._iterations.mark(self._loop)
             if out.queued > self._high:
                 self._check_pause()
             return None
@@ -1281,7 +1296,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         # what it was there.)
         tr = self._transport
         if tr is not None:
-            tr._sent_in = -1  # (see SlabTransport.write)
+            tr._sent_in = _AFTER_READ  # (see SlabTransport.write)
         if self._paused:
             self._hold(nbytes)
         elif self._borrows:
