@@ -149,6 +149,12 @@ class TLSTransport(WriteGate):
     connection under it. Made by ``SlabProtocol(app, ssl=...)`` and by
     ``SlabTransport.start_tls``."""
 
+    # An idle TLS server holds one per connection. CPython shares one key
+    # table among the instance dicts of a class while they hold at most 30
+    # keys; one more made each dict 1.3 KiB larger. The attributes added
+    # last are slots instead.
+    __slots__ = ("_iterations", "_sent_in", "__dict__", "__weakref__")
+
     #: To the plain connection: ciphertext is copied into the engine before
     #: chunk_received returns.
     borrows_chunks: Final = True
