@@ -239,6 +239,22 @@ def accept(listener: socket.socket) -> socket.socket:
     return conn
 
 
+def accept_handshaken(
+    listener: socket.socket, n: int, ctx: ssl.SSLContext | None
+) -> list[tuple[socket.socket, BlockingTLS | None]]:
+    """Accept ``n`` connections, one after the other, each with its TLS
+    handshake done through a server-side ``BlockingTLS`` if ``ctx``."""
+    accepted = []
+    for _ in range(n):
+        conn = accept(listener)
+        tls = None
+        if ctx is not None:
+            tls = BlockingTLS(conn, ctx)
+            tls.handshake()
+        accepted.append((conn, tls))
+    return accepted
+
+
 def send_in_chunks(conn: socket.socket, data: bytes | memoryview, chunk: int) -> None:
     """``sendall`` of ``data`` in ``chunk``-byte calls; stops quietly when the
     client has gone (a client may close as soon as it has what it needs)."""

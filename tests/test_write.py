@@ -133,6 +133,22 @@ async def tls_pair(
         server.close()
 
 
+@asynccontextmanager
+async def tls_sink(
+    server_context: Any, client_context: Any
+) -> AsyncIterator[tuple[slabnet.StreamWriter, asyncio.Future[bytes]]]:
+    """A slabnet TLS client, and a future for all that its server received
+    until the client closed."""
+    done: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    async def collect(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        done.set_result(await reader.read())
+        writer.close()
+
+    async with tls_pair(collect, server_context, client_context) as (_, writer):
+        yield writer, done
+
+
 @pytest.mark.asyncio
 async def test_synchronous_writes_create_no_request(monkeypatch: pytest.MonkeyPatch) -> None:
     made = []
@@ -366,14 +382,7 @@ async def test_close_flushes_queued_data_and_write_eof_orders_after_it() -> None
 async def test_tls_writes_of_one_iteration_are_encrypted_together(
     tls_server_context: Any, tls_client_context: Any
 ) -> None:
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[bytes] = loop.create_future()
-
-    async def collect(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
-        done.set_result(await reader.read())
-        writer.close()
-
-    async with tls_pair(collect, tls_server_context, tls_client_context) as (reader, writer):
+    async with tls_sink(tls_server_context, tls_client_context) as (writer, done):
         engine = writer.transport._engine
         before = engine.write_calls
         pieces = [os.urandom(100) for _ in range(100)]
@@ -437,7 +446,8 @@ async def test_the_first_small_write_after_a_read_goes_at_once(
             while data := await loop.sock_recv(peer, 65536):
                 got += data
         assert got == (
-            b"before any read\nand after it\nreply 1\nmore 1\nand more 1\nreply 2\nmore 2\nand more 2\n"
+            b"before any read\nand after it\n"
+            b"reply 1\nmore 1\nand more 1\nreply 2\nmore 2\nand more 2\n"
         )
     finally:
         writer.close()
@@ -531,14 +541,7 @@ async def test_the_first_small_tls_write_of_an_iteration_is_encrypted_at_once(
     # Over TLS a frame sent on a timer waited for a callback at the end of
     # its iteration too (on uvloop 2.3x uvloop streams' CPU per frame in the
     # benchmarks' frames scenario); now it is encrypted and sent at once.
-    loop = asyncio.get_running_loop()
-    done: asyncio.Future[bytes] = loop.create_future()
-
-    async def collect(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
-        done.set_result(await reader.read())
-        writer.close()
-
-    async with tls_pair(collect, tls_server_context, tls_client_context) as (reader, writer):
+    async with tls_sink(tls_server_context, tls_client_context) as (writer, done):
         engine = writer.transport._engine
         sent = []
         for frame in range(4):

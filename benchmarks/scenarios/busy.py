@@ -54,7 +54,7 @@ from ..common import (
     KiB,
     MiB,
     Meter,
-    accept,
+    accept_handshaken,
     client_ssl_context,
     close_quietly,
     close_writer,
@@ -162,14 +162,10 @@ def serve(listener: socket.socket, params: Params, files: Files) -> None:
     n, record = int(params["n"]), int(params["record"])
     size = per_connection(params)
     ctx = server_ssl_context(files) if record else None
-    senders: list[_Sender] = []
-    for _ in range(n):
-        conn = accept(listener)
-        tls = None
-        if ctx is not None:
-            tls = BlockingTLS(conn, ctx)
-            tls.handshake()
-        senders.append(_Sender(conn, shift_of(conn.getpeername()[1]), tls, size))
+    senders = [
+        _Sender(conn, shift_of(conn.getpeername()[1]), tls, size)
+        for conn, tls in accept_handshaken(listener, n, ctx)
+    ]
     if record:
         for s in senders:
             s.encrypt(size, record)

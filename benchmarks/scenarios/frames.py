@@ -30,9 +30,9 @@ import time
 from typing import Any
 
 from ..common import (
-    KiB,
     BlockingTLS,
-    accept,
+    KiB,
+    accept_handshaken,
     close_quietly,
     close_writer,
     is_tls,
@@ -61,7 +61,9 @@ class BadFrame(Exception):
 class _Receiver:
     """One connection: its bytes, checked a frame at a time."""
 
-    def __init__(self, conn: socket.socket, tls: BlockingTLS | None, frames: int, wsize: int) -> None:
+    def __init__(
+        self, conn: socket.socket, tls: BlockingTLS | None, frames: int, wsize: int
+    ) -> None:
         self.conn = conn
         self.tls = tls
         self.port = conn.getpeername()[1]
@@ -128,14 +130,9 @@ def serve(listener: socket.socket, params: Params, files: Files) -> None:
     n, wsize = int(params["n"]), int(params["wsize"])
     frames = per_connection(params)
     ctx = server_ssl_context(files) if is_tls(params) else None
-    receivers = []
-    for _ in range(n):
-        conn = accept(listener)
-        tls = None
-        if ctx is not None:
-            tls = BlockingTLS(conn, ctx)
-            tls.handshake()
-        receivers.append(_Receiver(conn, tls, frames, wsize))
+    receivers = [
+        _Receiver(conn, tls, frames, wsize) for conn, tls in accept_handshaken(listener, n, ctx)
+    ]
     sel = selectors.DefaultSelector()
     for r in receivers:
         r.conn.setblocking(False)
