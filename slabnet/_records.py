@@ -283,11 +283,12 @@ class RecordScanner:
     def _add(self, ctype: int, version: int, length: int, offset: int) -> None:
         """Check and append one header (the slow path of :meth:`feed`)."""
         if version >> 8 != 3 or ctype not in _TYPE_NAMES:
+            header = _HEADER.pack(ctype, version, length)
             # (The version first, as OpenSSL's record layer checks it.)
             if version >> 8 != 3:
                 reason = "WRONG_VERSION_NUMBER"
                 if offset == 0:
-                    reason = _not_tls(_HEADER.pack(ctype, version, length))
+                    reason = _not_tls(header)
             elif self._max_length == MAX_LENGTH_TLS13:
                 reason = "BAD_RECORD_TYPE"
             else:
@@ -301,7 +302,7 @@ class RecordScanner:
                 )
             if reason in _NOT_TLS:
                 problem += (
-                    f" (its bytes {_HEADER.pack(ctype, version, length)!r} begin"
+                    f" (its bytes {header!r} begin"
                     f" {_NOT_TLS[reason]}: the peer does not speak TLS)"
                 )
         elif length > self._max_length:

@@ -217,7 +217,7 @@ class TLSTransport(WriteGate):
         self._plain_bytes = 0
         self._flush_scheduled = False
         # The iteration of the last write encrypted at once, or _AFTER_READ
-        # (see write and _gather; SlabTransport.write does the same).
+        # or _REPLIED (see write and _gather; as SlabTransport.write).
         self._iterations = _loop_resources(loop).iterations
         self._sent_in = _NOT_YET
         self._reqs: list[WriteRequest] = []  # waiting for encryption
@@ -531,12 +531,9 @@ class TLSTransport(WriteGate):
                     self._abort(untraced(exc))
                     return None
                 if cipher is not None:
-                    self._stamp()
+                    self._sent_in = self._iterations.stamp(self._sent_in, self._loop)
                     if cipher:
                         lower.write(cipher)
-                    if engine.held_plaintext:
-                        if engine.plaintext_waiting and not self._reading_paused:
-                            self._loop.call_soon(self._pump)
                     if engine.held_plaintext or lower.get_write_buffer_size():
                         self._check_pause()
                     return None
@@ -546,17 +543,23 @@ class TLSTransport(WriteGate):
         views = [v for v in map(_as_bytes_view, list_of_data) if v.nbytes]
         if not views:
             return None
+        if len(views) == 1:
+            return self.write(views[0])  # (a timer's one frame: one record at once)
         if self._closing or self._eof_requested:
             if not self._check_writable():
                 return None
-        first = self._sent_in != self._iterations.now
-        if first:  # (one record for them all, at once)
-            self._stamp()
+        its = self._iterations
+        sent_in = self._sent_in
+        first = sent_in != its.now
+        if first:  # (one record for them all, at once, below)
+            self._sent_in = its.now
         req = None
         for v in views:
             req = self._gather(v, v.nbytes) or req
-        if first and self._plain and self._stage is _Stage.READY:
-            self._flush()
+        if first:
+            self._sent_in = its.stamp(sent_in, self._loop)
+            if self._plain and self._stage is _Stage.READY:
+                self._flush()
         return req
 
     def _gather(self, view: memoryview, n: int) -> WriteRequest | None:
@@ -578,7 +581,7 @@ class TLSTransport(WriteGate):
                 # read, is encrypted and sent at once: a frame sent on a
                 # timer or a reply waits for no callback. What follows it in
                 # the same iteration is gathered into one record.
-                self._stamp()
+                self._sent_in = self._iterations.stamp(self._sent_in, self._loop)
                 self._flush()  # (checks the pause itself)
                 return req
             if self._plain_bytes >= CORK_LIMIT:
@@ -587,16 +590,9 @@ class TLSTransport(WriteGate):
             if not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon(self._flush_soon)
-                self._iterations.mark(self._loop)  # (as SlabTransport.write)
         if queued + self._plain_bytes > self._high:
             self._check_pause()
         return req
-
-    def _stamp(self) -> None:
-        """A write goes at once: note this iteration. A callback tells the
-        next one apart, unless a read came (the next read will)."""
-        its = self._iterations
-        self._sent_in = its.now if self._sent_in == _AFTER_READ else its.mark(self._loop)
 
     def can_write_eof(self) -> bool:
         return False

@@ -54,10 +54,12 @@ at once, and its number may already be another connection's.
 * A connection's first small write (below ``BufferPool.small_limit``) of a
   loop iteration, or its first after a read, goes straight to ``send`` as a
   large one does: a reply, or a frame sent on a timer. The small writes after
-  it in the same iteration are copied into the loop's pool and sent together
-  by one ``sendmsg`` from a ``call_soon`` callback -- or at once when 64 KiB,
-  or 1024 writes (``IOV_MAX``), have gathered. (``_Iterations`` tells the
-  iterations apart with one callback per loop, not per connection.)
+  it in the same iteration are copied into the loop's pool and sent
+  together by one ``sendmsg`` from a ``call_soon`` callback -- or at once
+  when 64 KiB, or 1024 writes (``IOV_MAX``), have gathered. (``_Iterations``
+  tells the iterations apart with one callback per loop, not per
+  connection, and none for a reply: the write after a reply goes at once
+  too, since nothing tells its iteration from the reply's.)
 * What the kernel does not take waits in an ``OutQueue`` (memoryview slices,
   no joins), and the caller gets a ``WriteRequest``.
 
@@ -147,6 +149,10 @@ _IMMUTABLE: Final = frozenset({bytes, _Slab, _Sealed})
 #: next read will say so again. Before any write or read, ``_NOT_YET``.
 _AFTER_READ: Final = -1
 _NOT_YET: Final = -2
+#: After that reply: no callback tells its iteration from the next, so the
+#: next small write goes at once too (the second piece of a reply, or the
+#: first write on a timer's turn), and marks.
+_REPLIED: Final = -3
 
 
 class _Iterations:
@@ -171,6 +177,15 @@ class _Iterations:
             self._armed = True
             loop.call_soon(self._advance)
         return self.now
+
+    def stamp(self, sent_in: int, loop: asyncio.AbstractEventLoop) -> int:
+        """The ``_sent_in`` of a connection whose write goes at once, whose
+        last was ``sent_in``: ``now``, which changes after this iteration.
+        A reply (``sent_in`` is ``_AFTER_READ``) arms no callback, which
+        would cost one per round trip: ``_REPLIED``."""
+        if sent_in == _AFTER_READ:
+            return _REPLIED
+        return self.mark(loop)
 
     def _advance(self) -> None:
         self.now += 1
@@ -601,7 +616,7 @@ class SlabTransport(WriteGate):
         self._poll_delay = _POLL_MIN
         self._flush_scheduled = False
         # The iteration of the last small write sent at once, or
-        # _AFTER_READ: the next one goes at once too (see write).
+        # _AFTER_READ or _REPLIED: the next one goes at once too (see write).
         self._sent_in = _NOT_YET
         self._corked = 0  # pooled bytes waiting for the end-of-iteration flush
         self._corked_pieces = 0  # and the writes they came in
@@ -674,17 +689,14 @@ class SlabTransport(WriteGate):
         out = self._out
         if n < self._pool.small_limit:
             sent_in = self._sent_in
-            if not out and sent_in != self._iterations.now:
+            if not out.queued and sent_in != self._iterations.now:
                 # The first small write of an iteration, or the first after a
                 # read, goes straight to the kernel: a frame sent on a timer
                 # or a reply waits for nothing (waiting for the end of the
                 # iteration would cost a copy, a callback and, for a reply,
                 # one more loop iteration on both loops). Those after it in
                 # the same iteration are gathered into one sendmsg.
-                if sent_in == _AFTER_READ:
-                    self._sent_in = self._iterations.now  # (no callback)
-                else:
-                    self._sent_in = self._iterations.mark(self._loop)
+                self._sent_in = self._iterations.stamp(sent_in, self._loop)
                 return self._send_now([memoryview(view)], n)
             if self._waiting_writable:
                 # The kernel is full: the bytes wait in the queue's own
@@ -696,7 +708,9 @@ class SlabTransport(WriteGate):
                 self._check_pause()
                 return req
             # Gather: copy into the pool; one sendmsg at the end of the
-            # iteration carries every small write of this iteration.
+            # iteration carries every small write of this iteration. (The
+            # write that went at once marked the iteration: the next one's
+            # first goes at once again.)
             region = self._pool.alloc(n)
             region[:] = view
             out.append(region)
@@ -708,16 +722,13 @@ class SlabTransport(WriteGate):
             elif not self._flush_scheduled:
                 self._flush_scheduled = True
                 self._loop.call_soon(self._flush_soon)
-                # (A reply's iteration armed nothing: the next iteration
-                # must be told from this one for the next write to go at once.)
-                self._iterations.mark(self._loop)
             if out.queued > self._high:
                 self._check_pause()
             return None
         # A large write is never copied on its way to the kernel; only what
         # has to wait is, and only when the caller could change it meanwhile.
         view = memoryview(view)
-        if not out:
+        if not out.queued:
             # Nothing before it: try the kernel directly. A write it takes
             # whole completes synchronously and makes no object at all.
             return self._send_now([view], n)
