@@ -107,6 +107,34 @@ class BufferPool:
         self._offset = (end + _ALIGN - 1) & -_ALIGN
         return memoryview(pool)[off:end]
 
+    def carve(self, nbytes: int) -> tuple[bytearray, int]:
+        """Reserve ``nbytes`` (below ``small_limit``) of the current pool
+        as :meth:`alloc` does, without making a view: return the pool and
+        where the region starts. The caller must export the pool (view it)
+        before it next calls this pool, or the region may be handed out
+        again; it may extend the region with :meth:`grow`."""
+        off = self._offset
+        pool = self._pool
+        if pool is None or off + nbytes > self._pool_size:
+            pool = self._new_pool()
+            off = 0
+        self._offset = (off + nbytes + _ALIGN - 1) & -_ALIGN
+        return pool, off
+
+    def grow(self, pool: bytearray, end: int, data: bytes | memoryview, nbytes: int) -> bool:
+        """Copy ``data`` (``nbytes``) right after the region of ``pool``
+        that ends at ``end``, if that region is still the last carved and
+        the pool has room: True, and the region is ``nbytes`` longer.
+        Else False, having done nothing."""
+        if pool is not self._pool or self._offset != (end + _ALIGN - 1) & -_ALIGN:
+            return False
+        stop = end + nbytes
+        if stop > self._pool_size:
+            return False
+        pool[end:stop] = data
+        self._offset = (stop + _ALIGN - 1) & -_ALIGN
+        return True
+
     def _new_pool(self) -> bytearray:
         pool = self._pool
         self._offset = 0

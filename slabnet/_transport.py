@@ -54,12 +54,13 @@ at once, and its number may already be another connection's.
 * A connection's first small write (below ``BufferPool.small_limit``) of a
   loop iteration, or its first after a read, goes straight to ``send`` as a
   large one does: a reply, or a frame sent on a timer. The small writes after
-  it in the same iteration are copied into the loop's pool and sent
-  together by one ``sendmsg`` from a ``call_soon`` callback -- or at once
-  when 64 KiB, or 1024 writes (``IOV_MAX``), have gathered. (``_Iterations``
-  tells the iterations apart with one callback per loop, not per
-  connection, and none for a reply: the write after a reply goes at once
-  too, since nothing tells its iteration from the reply's.)
+  it in the same iteration are copied into the loop's pool, each right after
+  the one before while no other connection's copy came between (one buffer,
+  ``OutQueue.gather``), and sent together from a ``call_soon`` callback --
+  or at once when 64 KiB, or 1024 writes (``IOV_MAX``), have gathered.
+  (``_Iterations`` tells the iterations apart with one callback per loop,
+  not per connection, and none for a reply: the write after a reply goes
+  at once too, since nothing tells its iteration from the reply's.)
 * What the kernel does not take waits in an ``OutQueue`` (memoryview slices,
   no joins), and the caller gets a ``WriteRequest``.
 
@@ -707,14 +708,11 @@ class SlabTransport(WriteGate):
                 req = out.request(n)
                 self._check_pause()
                 return req
-            # Gather: copy into the pool; one sendmsg at the end of the
-            # iteration carries every small write of this iteration. (The
-            # write that went at once marked the iteration: the next one's
-            # first goes at once again.)
-            region = self._pool.alloc(n)
-            region[:] = view
-            out.append(region)
-            out.pooled = True
+            # Gather: copy into the pool, right after this connection's last
+            # copy; one send at the end of the iteration carries every small
+            # write of this iteration. (The write that went at once marked
+            # the iteration: the next one's first goes at once again.)
+            out.gather(self._pool, view, n)
             self._corked += n
             self._corked_pieces += 1
             if self._corked >= CORK_LIMIT or self._corked_pieces >= CORK_PIECES:

@@ -25,7 +25,11 @@ Small writes that wait for the socket are copied into one growing
 ``bytearray`` at the tail (``append_small``), sealed into the deque when
 the shell next takes ``buffers()``: 64 KiB queued in 100-byte writes is one
 buffer, not 655 views. The shell's gathered writes live in regions of a
-pool the whole loop shares (``_pool``); ``own_pooled`` copies those left
+pool the whole loop shares (``_pool``): ``gather`` copies each right after
+the queue's last, while no other queue carved the pool in between, so a
+connection's small writes of one iteration are one region (a "run", kept
+as a view of the whole pool and its bounds until it is sealed into the
+deque, the pool exported meanwhile). ``own_pooled`` copies those left
 behind when the socket fills, since one region held pins its whole pool
 while the pool's other regions are the other connections' writes.
 
@@ -42,7 +46,7 @@ import itertools
 from collections.abc import Generator
 from typing import Any, Final
 
-from ._pool import is_pooled
+from ._pool import BufferPool, is_pooled
 
 __all__ = ["IOV_MAX", "OutQueue", "WriteRequest"]
 
@@ -147,12 +151,21 @@ class OutQueue:
     made on first use, so an idle connection pays for neither.
     """
 
-    __slots__ = ("_bufs", "_tail", "pooled", "queued", "sent_total", "end", "error", "_requests")
+    __slots__ = (
+        "_bufs", "_tail", "_run", "_run_start", "_run_end", "pooled", "queued", "sent_total",
+        "end", "error", "_requests",
+    )
 
     def __init__(self) -> None:
         self._bufs: collections.deque[memoryview] | None = None
         # Small writes queued since the last buffers(), copied: after _bufs.
         self._tail: bytearray | None = None
+        # Small writes gathered since the last buffers(), in one region of
+        # the shared write pool (gather): a view of the whole pool, which
+        # keeps it exported, and the region's bounds. After _bufs.
+        self._run: memoryview | None = None
+        self._run_start = 0
+        self._run_end = 0
         self.pooled = False  # a view of the shared write pool may be queued
         self.queued = 0  # bytes waiting
         self.sent_total = 0  # bytes handed to the kernel, ever
@@ -167,6 +180,8 @@ class OutQueue:
     def append(self, view: memoryview) -> None:
         n = view.nbytes
         if n:
+            if self._run is not None:
+                self._seal_run()
             if self._tail is not None:
                 self._seal()
             self._push(view)
@@ -179,9 +194,40 @@ class OutQueue:
             bufs = self._bufs = collections.deque()
         bufs.append(view)
 
+    def gather(self, pool: BufferPool, data: bytes | memoryview, n: int) -> None:
+        """Queue a copy of ``data`` (``n`` bytes, below the pool's
+        ``small_limit``) in the shared write pool: right after the last one
+        gathered, in one region, while no other connection carved the pool
+        since. A connection's small writes of one iteration are then one
+        buffer, not a view each."""
+        run = self._run
+        if run is None or not pool.grow(run.obj, self._run_end, data, n):  # type: ignore[arg-type]
+            if run is not None:
+                self._seal_run()
+            if self._tail is not None:
+                self._seal()
+            buf, start = pool.carve(n)
+            self._run = run = memoryview(buf)  # (exported before the pool is next asked)
+            run[start : start + n] = data
+            self._run_start = start
+            self._run_end = start + n
+            self.pooled = True
+        else:
+            self._run_end += n
+        self.queued += n
+        self.end += n
+
+    def _seal_run(self) -> None:
+        run = self._run
+        self._run = None
+        if run is not None:
+            self._push(run[self._run_start : self._run_end])
+
     def append_small(self, data: bytes | memoryview) -> None:
         """Queue a copy of ``data``, in one buffer with the other small
         writes queued since the shell last took ``buffers()``."""
+        if self._run is not None:
+            self._seal_run()
         tail = self._tail
         if tail is None:
             self._tail = bytearray(data)
@@ -204,6 +250,8 @@ class OutQueue:
         if not self.pooled:
             return
         self.pooled = False
+        if self._run is not None:
+            self._seal_run()
         bufs = self._bufs
         if not bufs:
             return
@@ -249,6 +297,8 @@ class OutQueue:
             bisect.insort(reqs, req, key=_end_of)
 
     def buffers(self) -> list[memoryview]:
+        if self._run is not None:
+            self._seal_run()
         if self._tail is not None:
             self._seal()
         bufs = self._bufs
@@ -292,6 +342,7 @@ class OutQueue:
             self.error = exc
         self._bufs = None
         self._tail = None
+        self._run = None
         self.queued = 0
         reqs = self._requests
         self._requests = None

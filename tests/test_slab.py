@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import slabnet
 from slabnet import BufferPool, ReadSlab
+from slabnet._write import OutQueue
 
 SLAB = 65536
 
@@ -212,6 +213,80 @@ def test_pool_never_reuses_a_pool_with_a_live_region() -> None:
         r[:] = b"o" * 500
         del r
     assert bytes(kept) == b"K" * 500
+
+
+def test_a_queue_gathers_its_small_writes_into_one_region() -> None:
+    pool = BufferPool(pool_size=1024)
+    mine, other = OutQueue(), OutQueue()
+    for i in range(3):
+        mine.gather(pool, bytes([i]) * 10, 10)  # 30 bytes, contiguous
+    assert [bytes(b) for b in mine.buffers()] == [b"\0" * 10 + b"\1" * 10 + b"\2" * 10]
+    mine.sent(30)
+    # Another queue carves in between: each gathers a region of its own.
+    mine.gather(pool, b"a", 1)
+    other.gather(pool, b"b", 1)
+    mine.gather(pool, b"c", 1)
+    assert [bytes(b) for b in mine.buffers()] == [b"a", b"c"]
+    assert [bytes(b) for b in other.buffers()] == [b"b"]
+    assert pool.offset % 8 == 0
+
+
+def test_pool_grow_refuses_past_the_pool_or_after_another_carve() -> None:
+    pool = BufferPool(pool_size=64)
+    buf, start = pool.carve(20)
+    view = memoryview(buf)  # (the caller's export)
+    assert pool.grow(buf, start + 20, b"x" * 20, 20)  # 20..40
+    assert not pool.grow(buf, start + 40, b"y" * 30, 30)  # would end past 64
+    assert pool.offset == 40
+    other, at = pool.carve(8)
+    assert other is buf and at == 40
+    assert not pool.grow(buf, start + 40, b"z", 1)  # no longer the last region
+    del view
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 2),  # which queue
+            st.sampled_from(["gather", "big", "send"]),
+            st.integers(1, 40),  # bytes written, or sent
+        ),
+        max_size=80,
+    )
+)
+def test_gathered_writes_of_interleaved_queues_keep_their_bytes(
+    steps: list[tuple[int, str, int]],
+) -> None:
+    # Three connections share one small pool: whatever order they gather,
+    # queue large writes and send in, each stream is what it wrote, and no
+    # queued byte is overwritten by another's write (pool reuse included).
+    pool = BufferPool(pool_size=128)
+    queues = [OutQueue() for _ in range(3)]
+    written = [bytearray() for _ in range(3)]
+    sent = [0, 0, 0]
+    counter = 0
+    for which, op, n in steps:
+        q = queues[which]
+        counter += 1
+        data = bytes((counter + k) % 251 for k in range(n))
+        if op == "gather":
+            q.gather(pool, data, n)  # (n < small_limit, 64)
+        elif op == "big":
+            q.append(memoryview(data))
+        else:
+            bufs = q.buffers()
+            pending = b"".join(bytes(b) for b in bufs)
+            assert pending == written[which][sent[which] : sent[which] + len(pending)]
+            take = min(n, len(pending))
+            q.sent(take)
+            sent[which] += take
+            continue
+        written[which] += data
+    for which, q in enumerate(queues):
+        rest = b"".join(bytes(b) for b in q.buffers())
+        assert rest == written[which][sent[which] :]
+        assert q.queued == len(rest)
 
 
 def test_reserve_lent_uses_one_lending_buffer_and_no_slab() -> None:
