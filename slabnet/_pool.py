@@ -98,14 +98,8 @@ class BufferPool:
             raise ValueError(f"cannot allocate {nbytes} bytes")
         if nbytes >= self.small_limit:
             return memoryview(bytearray(nbytes))
-        off = self._offset
-        pool = self._pool
-        if pool is None or off + nbytes > self._pool_size:
-            pool = self._new_pool()
-            off = 0
-        end = off + nbytes
-        self._offset = (end + _ALIGN - 1) & -_ALIGN
-        return memoryview(pool)[off:end]
+        pool, off = self.carve(nbytes)
+        return memoryview(pool)[off : off + nbytes]
 
     def carve(self, nbytes: int) -> tuple[bytearray, int]:
         """Reserve ``nbytes`` (below ``small_limit``) of the current pool
