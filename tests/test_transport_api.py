@@ -942,3 +942,27 @@ asyncio.run(main())
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.asyncio
+@TLS
+async def test_lost_transport_still_names_its_peer(tls: bool, tls_ca: Any, server_cert: Any) -> None:
+    # README, "A closed TLS transport still knows its socket": once the
+    # connection is lost, a slabnet transport, plain or TLS, answers
+    # peername, sockname and socket as asyncio's plain transports do (both
+    # loops' TLS transports answer None), and the socket is closed.
+    async with stream_pair(slabnet, tls, tls_ca, server_cert) as (r, w, pr, pw):
+        t = w.transport
+        before = {key: t.get_extra_info(key) for key in ("peername", "sockname")}
+        assert before["peername"][0] == "127.0.0.1"
+        pw.close()
+        async with asyncio.timeout(WAKE):
+            assert await r.read() == b""
+            w.close()
+            await w.wait_closed()
+        assert t.is_closing()
+        assert {key: t.get_extra_info(key) for key in ("peername", "sockname")} == before
+        assert w.get_extra_info("peername") == before["peername"]
+        assert t.get_extra_info("socket").fileno() == -1
+        if tls:
+            assert t.get_extra_info("cipher") is not None  # the session's, as asyncio's
