@@ -301,8 +301,16 @@ class StreamReader:
         if not data:
             return  # (None too, as asyncio's)
         # (memoryview() first: bytes(5) would be five zero bytes, where
-        # asyncio's raises TypeError for anything not bytes-like.)
-        self._put_chunk(memoryview(bytes(memoryview(data))))
+        # asyncio's bytearray.extend raises TypeError.)
+        try:
+            view = memoryview(data)
+        except TypeError:
+            # Not bytes-like: asyncio's extend takes an iterable of ints
+            # (and raises its own TypeError for anything else).
+            buf = bytearray()
+            buf.extend(data)
+            view = memoryview(buf)
+        self._put_chunk(memoryview(bytes(view)))
 
     feed_data = _FeedData(_feed_data)
 
@@ -406,6 +414,8 @@ class StreamReader:
             if self._exception is not None:
                 raise self._exception
             if self._eof:
+                if self._paused:
+                    self._maybe_resume()  # (an empty read resumes, as asyncio's)
                 return False
             waiter = self._new_waiter(func_name)
             try:
@@ -483,11 +493,14 @@ class StreamReader:
         """Index of ``sep`` in the buffer at or after ``start``, or -1.
 
         Only the bytes from ``start`` on are looked at, and the chunk that
-        holds ``start`` is found by walking back from the newest one, so a
-        search that resumes near the end costs what it reads, not what is
-        buffered. Each chunk is searched in place; a match across a chunk
-        boundary is looked for in a window of the ``len(sep) - 1`` bytes
-        (from ``start`` on) before the boundary and as many after it.
+        holds ``start`` is found by walking from the nearer end of the chunk
+        queue: back from the newest chunk for a search that resumes where
+        the last one stopped, forward from the oldest for a new search
+        (``start`` 0), so neither costs what is buffered, and reading out
+        N buffered chunks line by line is not N * N. Each chunk is searched
+        in place; a match across a chunk boundary is looked for in a window
+        of the ``len(sep) - 1`` bytes (from ``start`` on) before the
+        boundary and as many after it.
         """
         size = self._size
         tail = self._tail
@@ -497,11 +510,18 @@ class StreamReader:
             i = tail.find(sep, start - tail_at)
             return i if i < 0 else tail_at + i
         chunks = self._queue()
-        k = len(chunks)
-        base = tail_at  # buffer offset of chunks[k]'s byte 0 (-_pos for k=0)
-        while base > start:
-            k -= 1
-            base -= len(chunks[k])
+        if start < tail_at - start:
+            k = 0
+            base = -self._pos  # buffer offset of chunks[k]'s byte 0
+            while base + len(chunks[k]) <= start:
+                base += len(chunks[k])
+                k += 1
+        else:
+            k = len(chunks)
+            base = tail_at  # buffer offset of chunks[k]'s byte 0 (-_pos for k=0)
+            while base > start:
+                k -= 1
+                base -= len(chunks[k])
         keep = len(sep) - 1
         pattern = _literal(sep)
         carry = b""  # the last `keep` bytes searched, from `start` on
@@ -591,7 +611,14 @@ class StreamReader:
             parts: list[memoryview] = []
             run: _Sealed | None = None
             try:
-                while chunk := await self.read_chunk():
+                while True:
+                    # (read_chunk() inlined, so that a second reader's
+                    # RuntimeError names read(), as asyncio's does.)
+                    if not self._size and not await self._wait_for_bytes("read"):
+                        break
+                    chunk = self._take_chunk()
+                    if self._paused:
+                        self._maybe_resume()
                     if len(chunk) < _COALESCE_BELOW:
                         if run is None:
                             run = _Sealed()
@@ -659,6 +686,27 @@ class StreamReader:
     async def readuntil(
         self, separator: _BytesLike | tuple[_BytesLike, ...] = b"\n"
     ) -> bytes:
+        chunks = self._chunks
+        if chunks and type(separator) is bytes and separator:
+            # The hot case (a line of a protocol that reads line by line):
+            # the separator ends inside the oldest chunk. No match is earlier
+            # than the first one there, not even one across its end.
+            pos = self._pos
+            first = chunks[0]
+            m = _literal(separator).search(first, pos)
+            if m is not None and m.start() - pos <= self._limit:
+                end = m.end()
+                self._examined += end - pos
+                data = first[pos:end].tobytes()
+                if end == len(first):
+                    chunks.popleft()
+                    self._pos = 0
+                else:
+                    self._pos = end
+                self._size -= end - pos
+                if self._paused:
+                    self._maybe_resume()
+                return data
         if isinstance(separator, tuple):
             if sys.version_info < (3, 13):
                 raise TypeError("a tuple of separators needs Python 3.13 (as asyncio)")

@@ -122,6 +122,93 @@ async def test_feed_data_takes_only_bytes_like_objects() -> None:
 
 
 @pytest.mark.asyncio
+async def test_feed_data_takes_what_asyncio_extends_its_buffer_with() -> None:
+    """asyncio's feed_data is ``bytearray.extend``: an iterable of ints
+    (a list, a tuple, a generator) is bytes too, and anything else raises
+    extend's TypeError. slabnet's raised TypeError for a list of ints."""
+    got = {}
+    for cls in (asyncio.StreamReader, slabnet.StreamReader):
+        reader = cls()
+        reader.feed_data([97, 98])  # type: ignore[arg-type]
+        reader.feed_data((99,))  # type: ignore[arg-type]
+        reader.feed_data(x for x in b"d")  # type: ignore[arg-type]
+        errors = []
+        for bad in ("text", 5, [256], [b"x"]):
+            with pytest.raises((TypeError, ValueError)) as info:
+                reader.feed_data(bad)  # type: ignore[arg-type]
+            errors.append((info.type, str(info.value)))
+        reader.feed_eof()
+        async with asyncio.timeout(WAKE):
+            got[cls] = (await reader.read(), errors)
+    assert got[slabnet.StreamReader] == got[asyncio.StreamReader]
+    assert got[slabnet.StreamReader][0] == b"abcd"
+
+
+@pytest.mark.asyncio
+async def test_a_second_read_all_names_read_in_its_error() -> None:
+    """A second coroutine's ``read()`` while another waits: RuntimeError
+    naming read(), as asyncio's (slabnet's named read_chunk(), a method the
+    caller never called)."""
+    messages = []
+    for cls in (asyncio.StreamReader, slabnet.StreamReader):
+        reader = cls()
+        first = asyncio.ensure_future(reader.read(10))
+        await asyncio.sleep(0)
+        with pytest.raises(RuntimeError) as info:
+            await reader.read()
+        messages.append(str(info.value))
+        reader.feed_data(b"x")
+        async with asyncio.timeout(WAKE):
+            assert await first == b"x"
+    assert messages[1] == messages[0]
+    assert messages[0].startswith("read() called while another coroutine")
+
+
+class _FlowRecorder:
+    """The reader's transport, as far as its flow control goes."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def pause_reading(self) -> None:
+        self.calls.append("pause")
+
+    def resume_reading(self) -> None:
+        self.calls.append("resume")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("empty_read", ["read", "read_all", "readexactly"])
+async def test_a_paused_reader_emptied_at_eof_resumes_on_its_next_read(empty_read: str) -> None:
+    """Reading paused (buffer over twice the limit), then EOF, then the
+    buffer emptied by readexactly's IncompleteReadError: asyncio's next read
+    (which returns b"") resumes the transport; slabnet's left it paused."""
+    seen = []
+    for cls in (asyncio.StreamReader, slabnet.StreamReader):
+        reader = cls(limit=4)
+        transport = _FlowRecorder()
+        reader.set_transport(transport)  # type: ignore[arg-type]
+        reader.feed_data(b"0123456789")
+        reader.feed_eof()
+        async with asyncio.timeout(WAKE):
+            with pytest.raises(asyncio.IncompleteReadError):
+                await reader.readexactly(20)
+            if empty_read == "read":
+                assert await reader.read(5) == b""
+            elif empty_read == "read_all":
+                assert await reader.read() == b""
+            else:
+                with pytest.raises(asyncio.IncompleteReadError):
+                    await reader.readexactly(1)
+        seen.append(transport.calls)
+    if empty_read == "readexactly":
+        # asyncio's readexactly does not resume (nothing was read): nor ours.
+        assert seen[1] == seen[0] == ["pause"]
+    else:
+        assert seen[1] == seen[0] == ["pause", "resume"]
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 async def test_writing_a_non_bytes_object_names_its_type(
     tls: bool, tls_ca: Any, server_cert: Any

@@ -153,6 +153,35 @@ async def test_readuntil_work_is_linear_in_trickled_chunks(sep: bytes) -> None:
     assert reader._examined <= (4 * n + 2) * len(sep)
 
 
+async def lines_behind_chunks(n: int) -> None:
+    """``n`` chunks of 1,100 bytes (eleven 100-byte lines each: above the
+    size that is joined on arrival) buffered before anyone reads, then
+    every line read with readline, as a handler busy elsewhere would."""
+    line = b"l" * 99 + b"\n"
+    reader = slabnet.StreamReader(limit=2**24)
+    for _ in range(n):
+        reader.feed_data(line * 11)
+    reader.feed_eof()
+    async with asyncio.timeout(30):
+        for _ in range(11 * n):
+            assert await reader.readline() == line
+        assert await reader.readline() == b""
+
+
+@pytest.mark.asyncio
+async def test_readline_work_does_not_grow_with_buffered_chunks() -> None:
+    """Each readline (and readuntil) search starts at the front of the
+    buffer; finding the chunk that holds its start must not walk the whole
+    chunk queue, or reading out N buffered chunks costs N * N and a peer
+    that sends many 1 KiB segments to a busy handler stalls the loop
+    (seconds of CPU for a few MiB). Work for 4x the chunks grows 4x, not
+    16x (14x on the commit before this test)."""
+    n = 60
+    work_n = await reader_work(lambda: lines_behind_chunks(n))()
+    work_4n = await reader_work(lambda: lines_behind_chunks(4 * n))()
+    assert work_4n < 5 * work_n, (work_n, work_4n)
+
+
 @pytest.mark.asyncio
 async def test_header_sent_one_byte_per_segment() -> None:
     """A peer sends a header one byte per TCP segment: the server's readuntil
