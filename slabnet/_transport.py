@@ -947,7 +947,9 @@ class SlabTransport(WriteGate):
                 sent = os.write(fd, bufs[0]) if len(bufs) == 1 else os.writev(fd, bufs)
             except _SEND_RETRY:
                 break
-            except OSError as exc:
+            except Exception as exc:
+                # (Any failure: a buffer the kernel refuses would otherwise
+                # stay at the head of the queue, and the connection hang.)
                 self._abort(untraced(exc))  # (its frame holds `bufs`: the queue)
                 return False
             if out.sent(sent) or sent < sum(b.nbytes for b in bufs):
@@ -1130,8 +1132,12 @@ def _as_bytes_view(data: Any) -> memoryview:
         raise TypeError(
             f"data argument must be a bytes-like object, not {type(data).__name__!r}"
         ) from None
-    if view.itemsize != 1 or view.ndim != 1:
-        view = view.cast("B")
+    if view.format != "B" or view.ndim != 1 or not view.c_contiguous:
+        # What is sent and copied is one run of unsigned bytes: the pool's
+        # copy refuses another format even of 1-byte items ("c", "b",
+        # ctypes' "<c"), and the kernel and OpenSSL take only contiguous
+        # memory, so a strided view is copied (as bytes() reads it).
+        view = view.cast("B") if view.c_contiguous else memoryview(view.tobytes())
     return view
 
 

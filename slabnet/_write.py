@@ -207,8 +207,12 @@ class OutQueue:
             if self._tail is not None:
                 self._seal()
             buf, start = pool.carve(n)
-            self._run = run = memoryview(buf)  # (exported before the pool is next asked)
+            run = memoryview(buf)  # (exported before the pool is next asked)
+            # The copy first: if it raises, the region is left unused and
+            # the queue is as it was, not pointing at a region of earlier
+            # bytes (another connection's, once the pool is reused).
             run[start : start + n] = data
+            self._run = run
             self._run_start = start
             self._run_end = start + n
             self.pooled = True

@@ -674,3 +674,132 @@ async def test_tls_chunks_echoed_over_tls_are_not_copied(
         await server.wait_closed()
     assert owners <= {"_Sealed", "bytes"}, owners
     assert copies == []
+
+
+# ------------------------------------------------ 19: any bytes-like object, any layout
+
+
+async def written_through(tls: bool, request: Any, write: Any) -> bytes:
+    """What a slabnet server reads to EOF after a slabnet client's
+    ``write(writer)`` and close; the close must end (no wedged queue)."""
+    got: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        data, exc = await read_to_end(reader)
+        if not got.done():
+            got.set_result(data if exc is None else data + repr(exc).encode())
+        writer.close()
+
+    server_ssl = request.getfixturevalue("tls_server_context") if tls else None
+    client_ssl = request.getfixturevalue("tls_client_context") if tls else None
+    server = await slabnet.start_server(handle, "127.0.0.1", 0, ssl=server_ssl)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with asyncio.timeout(WAKE):
+            _, writer = await slabnet.open_connection(
+                "127.0.0.1", port, ssl=client_ssl,
+                server_hostname="localhost" if tls else None,
+            )
+            try:
+                write(writer)
+            finally:
+                writer.close()
+            await writer.wait_closed()
+            return await got
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+def one_byte_formats() -> list[Any]:
+    """Buffers of 1-byte items in formats other than "B"."""
+    import array
+    import ctypes
+
+    return [
+        memoryview(b"c1").cast("c"),
+        array.array("b", b"b2"),
+        ctypes.create_string_buffer(b"t3", 2),  # format "<c"
+        memoryview(bytearray(b"m4")).cast("b"),
+    ]
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_writes_of_one_byte_items_in_any_format_are_sent(
+    tls: bool, request: pytest.FixtureRequest,
+) -> None:
+    """A buffer of 1-byte items whose format is not "B" ("c", "b", ctypes'
+    "<c"), as asyncio's loops send it. slabnet's gathered small write raised
+    ValueError from its copy into the shared write pool, after taking a
+    region of it, and the connection's next gathered write then sent the
+    bytes of an earlier region: possibly another connection's."""
+    big = memoryview(os.urandom(100_000)).cast("c")
+    expected = [b"<"]
+
+    def write(writer: slabnet.StreamWriter) -> None:
+        writer.write(b"<")  # (at once: the ones below are gathered)
+        for buf in one_byte_formats():
+            writer.write(buf)
+            expected.append(bytes(memoryview(buf)))
+        writer.writelines(one_byte_formats())
+        expected.extend(bytes(memoryview(b)) for b in one_byte_formats())
+        writer.write(big)
+        expected.append(big.tobytes())
+        writer.write(b">")
+        expected.append(b">")
+
+    assert await written_through(tls, request, write) == b"".join(expected)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("how", ["behind_small_writes", "writelines_past_iov_max", "alone"])
+@pytest.mark.asyncio
+async def test_a_strided_view_is_sent_and_the_close_completes(
+    tls: bool, how: str, request: pytest.FixtureRequest,
+) -> None:
+    """A non-contiguous memoryview (``view[::2]``) is bytes-like: it is sent
+    (copied: the kernel and OpenSSL take only contiguous memory). slabnet
+    queued it uncopied when it had to wait, its writev raised BufferError
+    at the head of the queue for good: the bytes written before it never
+    arrived, close() raised, wait_closed() hung and the peer saw no EOF
+    (over TLS the write aborted the connection)."""
+    strided = memoryview(os.urandom(600_000))[::2]
+    expected: list[bytes] = []
+
+    def write(writer: slabnet.StreamWriter) -> None:
+        if how != "alone":  # (alone: nothing ahead of it, it goes at once)
+            writer.write(b"A")
+            writer.write(b"B")  # gathered: what follows queues behind it
+            expected.extend([b"A", b"B"])
+        if how == "writelines_past_iov_max":
+            ones = [b"%d" % (i % 10) for i in range(1100)]
+            writer.writelines([*ones, strided])
+            expected.extend(ones)
+        else:
+            writer.write(strided)
+        expected.append(strided.tobytes())
+        writer.write(memoryview(b"-C-")[::2])  # a small one
+        expected.append(b"--")
+
+    assert await written_through(tls, request, write) == b"".join(expected)
+
+
+@pytest.mark.asyncio
+async def test_a_gathered_copy_that_raises_leaves_the_queue_as_it_was() -> None:
+    """(sans-IO) If the copy into a freshly carved region of the shared pool
+    raises, the queue does not point at that region with the previous
+    region's bounds: the next write queues its own bytes, not bytes the
+    pool held before (another connection's)."""
+    from slabnet import _pool
+    from slabnet import _write as write_mod
+
+    pool = _pool.BufferPool()
+    mine, other = write_mod.OutQueue(), write_mod.OutQueue()
+    mine.gather(pool, b"old", 3)
+    other.gather(pool, b"secret", 6)  # carved since: mine starts a new region
+    with pytest.raises((ValueError, TypeError)):
+        mine.gather(pool, memoryview(b"cc").cast("c"), 2)  # (the shell casts to "B" first)
+    mine.gather(pool, b"new", 3)
+    assert b"".join(bytes(b) for b in mine.buffers()) == b"oldnew"
+    assert mine.queued == 6
