@@ -76,8 +76,12 @@ header, as OpenSSL never sees it: ``WRONG_VERSION_NUMBER`` for a major byte
 other than 3 (``HTTP_REQUEST`` or ``HTTPS_PROXY_REQUEST`` if the stream's
 first bytes begin such a request), ``UNEXPECTED_MESSAGE`` for an unknown
 content type (``BAD_RECORD_TYPE`` once TLS 1.3 has been negotiated), and
-``PACKET_LENGTH_TOO_LONG`` (``ENCRYPTED_LENGTH_TOO_LONG`` in TLS 1.3) for a
-length above the limit.
+``PACKET_LENGTH_TOO_LONG`` for a length above the limit
+(``ENCRYPTED_LENGTH_TOO_LONG`` in TLS 1.3 up to 2^14 + 323, the longest
+record OpenSSL's read buffer holds).  After a TLS 1.2 handshake OpenSSL
+would check an unknown content type's MAC first, so what it says of one
+depends on the record's bytes (``DECRYPTION_FAILED_OR_BAD_RECORD_MAC`` for
+garbage); ``UNEXPECTED_MESSAGE`` here, as before the handshake.
 
 A zero-length record is not rejected here: whether it is legal depends on the
 content type and on keys the scanner does not know, and OpenSSL checks it.
@@ -131,6 +135,13 @@ MAX_LENGTH_TLS12: Final = 2**14 + 2048
 
 #: TLSCiphertext.length limit in TLS 1.3: 2^14 + 256 (RFC 8446 §5.2).
 MAX_LENGTH_TLS13: Final = 2**14 + 256
+
+# The longest record OpenSSL 3.0's read buffer holds: 2^14 bytes of
+# plaintext, 320 of encryption overhead and 3 that align the payload (the
+# buffer less a header). It refuses a longer header with
+# PACKET_LENGTH_TOO_LONG before any other check, in any version; a TLS 1.3
+# record between MAX_LENGTH_TLS13 and this gets ENCRYPTED_LENGTH_TOO_LONG.
+_OPENSSL_LONGEST: Final = 2**14 + 320 + 3
 
 # Drop consumed runs from the front of the run list once this many pile up
 # (``del list[:n]``); any small number works.
@@ -306,7 +317,7 @@ class RecordScanner:
                     f" {_NOT_TLS[reason]}: the peer does not speak TLS)"
                 )
         elif length > self._max_length:
-            reason = _too_long(self._max_length)
+            reason = _too_long(self._max_length, length)
             problem = (
                 f"{_TYPE_NAMES[ctype]} record length {length} is above the"
                 f" limit of {self._max_length} bytes"
@@ -362,7 +373,7 @@ class RecordScanner:
                     start + first * size,
                     f"{_TYPE_NAMES[ctype]} record length {length} is above the"
                     f" limit of {max_length} bytes ({_limit_reason(max_length)})",
-                    _too_long(max_length),
+                    _too_long(max_length, length),
                 )
 
     def set_expansion(self, overhead: int, empty_size: int) -> None:
@@ -541,9 +552,11 @@ def _not_tls(header: bytes) -> str:
     return "WRONG_VERSION_NUMBER"
 
 
-def _too_long(limit: int) -> str:
-    """OpenSSL's reason for a record longer than ``limit``."""
-    return "ENCRYPTED_LENGTH_TOO_LONG" if limit == MAX_LENGTH_TLS13 else "PACKET_LENGTH_TOO_LONG"
+def _too_long(limit: int, length: int) -> str:
+    """OpenSSL's reason for a record of ``length`` bytes, above ``limit``."""
+    if limit == MAX_LENGTH_TLS13 and length <= _OPENSSL_LONGEST:
+        return "ENCRYPTED_LENGTH_TOO_LONG"
+    return "PACKET_LENGTH_TOO_LONG"
 
 
 def _limit_reason(limit: int) -> str:

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import openssl_like, server_ctx
+from conftest import client_ctx, openssl_like, server_ctx
 from slabnet._errors import TLSRecordError
 from slabnet._records import (
     ALERT,
@@ -241,6 +241,47 @@ def test_reasons_after_the_first_header_and_in_tls13() -> None:
     with pytest.raises(TLSRecordError) as info:
         sc.set_max_length(MAX_LENGTH_TLS13)  # (the handshake ended as TLS 1.3)
     assert info.value.reason == "ENCRYPTED_LENGTH_TOO_LONG"
+
+
+def established(server_cert: Any, tls_ca: Any, version: ssl.TLSVersion) -> tuple[ssl.SSLObject, ssl.MemoryBIO]:
+    """A client SSLObject after a completed handshake, and its incoming BIO."""
+    s_in, s_out, c_in, c_out = (ssl.MemoryBIO() for _ in range(4))
+    server = server_ctx(server_cert, version).wrap_bio(s_in, s_out, server_side=True)
+    client = client_ctx(tls_ca, version).wrap_bio(c_in, c_out, server_hostname="localhost")
+    for _ in range(10):
+        for side in (client, server):
+            try:
+                side.do_handshake()
+            except ssl.SSLWantReadError:
+                pass
+        s_in.write(c_out.read())
+        c_in.write(s_out.read())
+    server.write(b"x")  # (TLS 1.3: the session tickets come before it)
+    c_in.write(s_out.read())
+    assert client.read(10) == b"x"
+    return client, c_in
+
+
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_3, ssl.TLSVersion.TLSv1_2], ids=["tls13", "tls12"])
+def test_length_reasons_after_the_handshake_are_openssls(
+    server_cert: Any, tls_ca: Any, version: ssl.TLSVersion
+) -> None:
+    """A record header too long for the negotiated version gets the reason
+    OpenSSL gives the same header once the handshake is done: in TLS 1.3,
+    ENCRYPTED_LENGTH_TOO_LONG only up to the longest record its read buffer
+    holds, PACKET_LENGTH_TOO_LONG above (slabnet said ENCRYPTED_... for
+    every length, 17000 and 18433 included)."""
+    limit = MAX_LENGTH_TLS13 if version is ssl.TLSVersion.TLSv1_3 else MAX_LENGTH_TLS12
+    for length in (limit + 1, 2**14 + 323, 2**14 + 324, 17000, 18433, 30000, 65535):
+        if length <= limit:
+            continue
+        client, incoming = established(server_cert, tls_ca, version)
+        incoming.write(record(APPLICATION_DATA, length)[: HEADER_SIZE + 64])
+        with pytest.raises(ssl.SSLError) as theirs:
+            client.read(100)
+        with pytest.raises(TLSRecordError) as ours:
+            RecordScanner(limit).feed(record(APPLICATION_DATA, length))
+        assert (length, openssl_like(ours.value)) == (length, openssl_like(theirs.value))
 
 
 def test_set_max_length_rechecks_buffered_records() -> None:
