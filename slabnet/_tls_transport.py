@@ -76,7 +76,7 @@ from ._errors import (
 from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import (
     _AFTER_READ, _NOT_YET, CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep,
-    _loop_resources, chunk_deliverer, flow_limits,
+    FEED, FEED_PAUSED, FEED_STOPPED, FEED_SWITCHED, _loop_resources, chunk_deliverer, flow_limits,
 )
 from ._write import WriteRequest
 
@@ -153,7 +153,7 @@ class TLSTransport(WriteGate):
     # table among the instance dicts of a class while they hold at most 30
     # keys; one more made each dict 1.3 KiB larger. The attributes added
     # last are slots instead.
-    __slots__ = ("_iterations", "_sent_in", "__dict__", "__weakref__")
+    __slots__ = ("_iterations", "_sent_in", "_held_plain", "__dict__", "__weakref__")
 
     #: To the plain connection: ciphertext is copied into the engine before
     #: chunk_received returns.
@@ -220,6 +220,9 @@ class TLSTransport(WriteGate):
         # or _REPLIED (see write and _gather; as SlabTransport.write).
         self._iterations = _loop_resources(loop).iterations
         self._sent_in = _NOT_YET
+        # Plaintext a paused BufferedProtocol app's buffers did not take
+        # (hold_rest): delivered before anything newer once it resumes.
+        self._held_plain: memoryview | None = None
         self._reqs: list[WriteRequest] = []  # waiting for encryption
         # Requests whose plaintext the engine holds until a renegotiation
         # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
@@ -333,14 +336,16 @@ class TLSTransport(WriteGate):
         if self._error is None:
             self._error = exc  # (an error of the final delivery comes second)
         try:
-            if self._engine is not None and stage is not _Stage.HANDSHAKE and not self._read_over:
+            if self._engine is not None and stage is not _Stage.HANDSHAKE and (
+                not self._read_over or self._held_plain is not None
+            ):
                 # Deliver every byte that was decrypted before the connection
                 # went; if reading is paused, to whom WriteGate._final_receiver
                 # says, if anyone.
                 receiver = self._app if not self._reading_paused else self._final_receiver(self._app)
                 if receiver is not None:
                     if receiver is not self._app:
-                        self._deliver, _ = chunk_deliverer(receiver)
+                        self._deliver, _ = chunk_deliverer(receiver, self)
                     self._pump(force=True, final=True)
         finally:
             # Even if the app's chunk_received raised KeyboardInterrupt or
@@ -398,10 +403,26 @@ class TLSTransport(WriteGate):
         app: asyncio.BaseProtocol = self._app
         return app
 
+    # A BufferedProtocol app: the owner of its _BufferFiller.
+
+    def feed_state(self, protocol: Any) -> int:
+        if self._closing or self._stage is _Stage.DONE or isinstance(self._error, LocalAbortError):
+            return FEED_STOPPED
+        if self._app is not protocol:
+            return FEED_SWITCHED
+        return FEED_PAUSED if self._reading_paused else FEED
+
+    def hold_rest(self, rest: memoryview) -> None:
+        held = self._held_plain
+        self._held_plain = rest if held is None else memoryview(held.tobytes() + rest.tobytes())
+
+    def deliver_now(self, chunk: memoryview) -> None:
+        self._deliver(chunk)
+
     def set_protocol(self, protocol: asyncio.BaseProtocol) -> None:
         # Any protocol, as the loop's transports take (loop.sendfile()'s
         # fallback sets its own asyncio Protocol for the time of the send).
-        deliver, _ = chunk_deliverer(protocol)
+        deliver, _ = chunk_deliverer(protocol, self)
         self._app = protocol
         self._deliver = deliver
         if self._sendfile_swap(protocol):
@@ -474,6 +495,7 @@ class TLSTransport(WriteGate):
         engine = self._engine
         if held and engine is not None and (
             engine.buffered_ciphertext or engine.plaintext_waiting
+            or self._held_plain is not None
         ):
             # Records that arrived before the pause are delivered first.
             self._loop.call_soon(self._pump)
@@ -887,17 +909,28 @@ class TLSTransport(WriteGate):
         engine = self._engine
         if engine is None:
             return
-        if self._stage is _Stage.DONE or self._read_over or isinstance(self._error, LocalAbortError):
+        if self._stage is _Stage.DONE or isinstance(self._error, LocalAbortError) or (
+            self._read_over and self._held_plain is None
+        ):
             if data is not None:
                 engine.receive_data(data)  # an engine that is done ignores it
             return
-        deliver = self._deliver
         if data is not None:
-            engine.lend_data(data)
+            if self._read_over:  # (back for held plaintext only)
+                engine.receive_data(data)
+                data = None
+            else:
+                engine.lend_data(data)
         app_error: Exception | None = None
         try:
             while force or not self._reading_paused:
-                chunk = engine.read_chunk()
+                chunk = self._held_plain
+                if chunk is not None and not self._reading_paused:
+                    self._held_plain = None  # (the older bytes first)
+                elif self._read_over:
+                    break  # (back for the held plaintext only: the rest was read)
+                else:
+                    chunk = engine.read_chunk()
                 if chunk is None:
                     if not engine.answers_stopped:
                         break
@@ -923,7 +956,9 @@ class TLSTransport(WriteGate):
                     # must not get a request that crossed its close_notify.
                     continue
                 try:
-                    deliver(chunk)
+                    # (The app's now: set_protocol() may have been called
+                    # from the last chunk's callback.)
+                    self._deliver(chunk)
                 except Exception as exc:
                     app_error = exc
                     break
@@ -950,7 +985,9 @@ class TLSTransport(WriteGate):
         if final:
             return
         self._send_output()
-        if self._read_over:
+        if self._read_over and self._held_plain is None:
+            # (With plaintext held for a paused app, the EOF comes after
+            # it: from the pump of its resume.)
             self._read_eof()
 
     def _read_failed(self, exc: Exception, final: bool) -> None:

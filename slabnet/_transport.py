@@ -1144,18 +1144,20 @@ def _as_bytes_view(data: Any) -> memoryview:
 # ---------------------------------------------------------------- protocol
 
 
-def chunk_deliverer(protocol: Any) -> tuple[Any, bool]:
+def chunk_deliverer(protocol: Any, owner: Any) -> tuple[Any, bool]:
     """What hands ``protocol`` a chunk, and whether it borrows chunks.
 
     A ``ChunkProtocol`` gets each chunk as it is; an asyncio protocol is
     taken too, as the loop's transports take one: a ``BufferedProtocol``
-    has each chunk copied into its buffers, a ``Protocol`` gets it as
-    ``bytes`` (both copy it before they return, so they borrow)."""
+    has each chunk copied into its buffers (``_BufferFiller``: ``owner``,
+    the layer that delivers, says whether it still reads for it), a
+    ``Protocol`` gets it as ``bytes`` (both copy it before they return, so
+    they borrow)."""
     deliver = getattr(protocol, "chunk_received", None)
     if deliver is not None:
         return deliver, bool(getattr(protocol, "borrows_chunks", False))
     if isinstance(protocol, asyncio.BufferedProtocol):
-        return functools.partial(_fill_buffers, protocol), True
+        return _BufferFiller(protocol, owner), True
     if callable(getattr(protocol, "data_received", None)):
         return functools.partial(_data_received, protocol), True
     raise TypeError(
@@ -1164,17 +1166,51 @@ def chunk_deliverer(protocol: Any) -> tuple[Any, bool]:
     )
 
 
-def _fill_buffers(protocol: asyncio.BufferedProtocol, chunk: memoryview) -> None:
-    """Hand ``chunk`` to an asyncio ``BufferedProtocol`` as the loop does:
-    copied into the buffers its ``get_buffer()`` returns."""
-    while chunk:
-        buf = memoryview(protocol.get_buffer(len(chunk))).cast("B")
-        n = min(len(buf), len(chunk))
-        if not n:
-            raise RuntimeError("get_buffer() returned an empty buffer")
-        buf[:n] = chunk[:n]
-        protocol.buffer_updated(n)
-        chunk = chunk[n:]
+# What the layer that delivers chunks (SlabProtocol, TLSTransport: the
+# owner of a _BufferFiller) says of the protocol it fills, in feed_state().
+FEED: Final = 0  # go on
+FEED_PAUSED: Final = 1  # reading is paused: the rest waits for the resume
+FEED_SWITCHED: Final = 2  # set_protocol(): the rest goes to the new protocol
+FEED_STOPPED: Final = 3  # closed or aborted: nothing more is delivered
+
+
+class _BufferFiller:
+    """Hands chunks to an asyncio ``BufferedProtocol`` as the loops hand it
+    reads: copied into the buffers its ``get_buffer()`` returns, one
+    buffer at a time. A chunk can be larger than the protocol's buffer
+    (a whole 256 KiB read, a 16 KiB TLS chunk), where the loops read no more
+    than the buffer takes, so the owner is asked before each buffer whether
+    it still reads for this protocol. Paused (its buffer is full), the rest
+    is held by the owner, copied, and comes first after the resume; after
+    ``set_protocol()`` it goes to the new protocol; after ``close()`` or
+    ``abort()`` nothing more is delivered."""
+
+    __slots__ = ("protocol", "owner")
+
+    def __init__(self, protocol: asyncio.BufferedProtocol, owner: Any) -> None:
+        # owner: feed_state(protocol) -> FEED..., hold_rest(rest) keeps the
+        # rest for after the resume, deliver_now(chunk) hands it to the
+        # protocol set now.
+        self.protocol = protocol
+        self.owner = owner
+
+    def __call__(self, chunk: memoryview) -> None:
+        protocol, owner = self.protocol, self.owner
+        while chunk:
+            state = owner.feed_state(protocol)
+            if state:
+                if state == FEED_PAUSED:
+                    owner.hold_rest(memoryview(chunk.tobytes()))  # (chunks may be lent)
+                elif state == FEED_SWITCHED:
+                    owner.deliver_now(memoryview(chunk.tobytes()))
+                return
+            buf = memoryview(protocol.get_buffer(len(chunk))).cast("B")
+            n = min(len(buf), len(chunk))
+            if not n:
+                raise RuntimeError("get_buffer() returned an empty buffer")
+            buf[:n] = chunk[:n]
+            protocol.buffer_updated(n)
+            chunk = chunk[n:]
 
 
 def _data_received(protocol: asyncio.Protocol, chunk: memoryview) -> None:
@@ -1272,7 +1308,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         one (``loop.start_tls()`` hands the connection to asyncio's
         ``SSLProtocol`` so): a ``BufferedProtocol`` has each chunk copied
         into its buffers, a ``Protocol`` gets it as ``bytes``."""
-        deliver, borrows = chunk_deliverer(upper)
+        deliver, borrows = chunk_deliverer(upper, self)
         self.upper = upper
         self._deliver = deliver
         self._borrows = borrows
@@ -1314,12 +1350,19 @@ class SlabProtocol(asyncio.BufferedProtocol):
             tr._sent_in = _AFTER_READ  # (see SlabTransport.write)
         if self._paused:
             self._hold(nbytes)
-        elif self._borrows:
-            # Only lent: the upper protocol copies it before returning, so
-            # no chunk is made and no slab is pinned.
-            self._deliver(self._slab.consume(nbytes))
-        else:
-            self._deliver(self._slab.commit(nbytes))
+            return
+        # An exception from the app ends the connection here, at once: the
+        # loop's transport would end it only an iteration later (its fatal
+        # error path), while ours still took writes.
+        try:
+            if self._borrows:
+                # Only lent: the upper protocol copies it before returning,
+                # so no chunk is made and no slab is pinned.
+                self._deliver(self._slab.consume(nbytes))
+            else:
+                self._deliver(self._slab.commit(nbytes))
+        except Exception as exc:
+            self._app_failed(exc, "chunk_received")
 
     def eof_received(self) -> bool | None:
         tr = self._transport
@@ -1332,7 +1375,10 @@ class SlabProtocol(asyncio.BufferedProtocol):
             # it is held, as the bytes of such a read are.
             self._eof_held = True
         else:
-            self._deliver_eof(tr)
+            try:
+                self._deliver_eof(tr)
+            except Exception as exc:  # (as in buffer_updated)
+                self._app_failed(exc, "eof_received")
         return True  # the loop's transport stays: our close() ends it
 
     def _deliver_eof(self, tr: SlabTransport) -> None:
@@ -1365,7 +1411,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
             if receiver is None:
                 held = self._held = None  # (it gets the loss only, as there)
             elif receiver is not upper:
-                deliver, _ = chunk_deliverer(receiver)
+                deliver, _ = chunk_deliverer(receiver, self)
         try:
             if held is not None:  # what arrived before the end is delivered first
                 self._held = None
@@ -1383,6 +1429,29 @@ class SlabProtocol(asyncio.BufferedProtocol):
             # would wait for the cyclic garbage collector instead of being
             # freed with its last reference.
             self.upper = self._deliver = None
+
+    # ------------------------------------------------ a BufferedProtocol upper
+    # (the owner of its _BufferFiller)
+
+    def feed_state(self, protocol: Any) -> int:
+        if self._stopped or self._transport is None:
+            return FEED_STOPPED
+        if self.upper is not protocol:
+            return FEED_SWITCHED
+        return FEED_PAUSED if self._paused else FEED
+
+    def hold_rest(self, rest: memoryview) -> None:
+        """What a paused upper protocol's buffers did not take of a chunk:
+        first after the resume, as the bytes of a read made while paused."""
+        held = self._held
+        self._held = rest if held is None else memoryview(rest.tobytes() + held.tobytes())
+        if not self._socket_paused and self._raw is not None:
+            # (As _hold: no newer read may come before the held bytes.)
+            self._socket_paused = True
+            self._raw.pause_reading()
+
+    def deliver_now(self, chunk: memoryview) -> None:
+        self._deliver(chunk)
 
     def pause_writing(self) -> None:  # the loop transport never writes
         pass

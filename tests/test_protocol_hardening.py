@@ -1,0 +1,314 @@
+"""The protocol layer with asyncio's own protocol kinds as the app, on real
+sockets, plain and TLS, on both loops.
+
+slabnet reads more at a time than an asyncio ``BufferedProtocol``'s buffer
+may take (a whole 256 KiB read, a 16 KiB TLS chunk), so it fills the app's
+buffers one after the other. Each buffer must be asked for only while the
+transport still reads for that app, as the loops ask for one per read: not
+while it is paused (its buffer is full), not after ``close()``/``abort()``,
+not after ``set_protocol()`` switched to another app. And an app callback
+that raises ends the connection at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+from typing import Any
+
+import pytest
+
+import slabnet
+
+pytestmark = pytest.mark.timeout(60)
+
+WAKE = 10.0  # seconds any wait may take before the test fails
+TOTAL = 2 * 1024 * 1024
+DATA = os.urandom(TOTAL)
+
+
+async def sending_server(data: bytes, server_ssl: ssl.SSLContext | None) -> asyncio.Server:
+    """An asyncio streams server that sends ``data``, then closes."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            for i in range(0, len(data), 65536):
+                writer.write(data[i : i + 65536])
+                await writer.drain()
+            writer.close()
+            await writer.wait_closed()
+        except (ConnectionError, ssl.SSLError):
+            pass  # (the client aborted)
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_ssl)
+
+
+async def connect(app: asyncio.BaseProtocol, port: int, client_ssl: ssl.SSLContext | None) -> None:
+    loop = asyncio.get_running_loop()
+    made = loop.create_future()
+    await loop.create_connection(
+        lambda: slabnet.SlabProtocol(
+            app, ssl=client_ssl, server_hostname="localhost" if client_ssl else None,
+            handshake_waiter=made,
+        ),
+        "127.0.0.1", port,
+    )
+    await asyncio.wait_for(made, WAKE)
+
+
+def contexts(tls: bool, request: pytest.FixtureRequest) -> tuple[Any, Any]:
+    if not tls:
+        return None, None
+    return request.getfixturevalue("tls_server_context"), request.getfixturevalue("tls_client_context")
+
+
+class FixedBuffer(asyncio.BufferedProtocol):
+    """A 4 KiB buffer; full, it pauses reading until a later callback has
+    taken its bytes (the usual flow control of a BufferedProtocol)."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.buf = bytearray(4096)
+        self.filled = 0
+        self.got = bytearray()
+        self.at_eof: int | None = None
+        self.lost: asyncio.Future[BaseException | None] = loop.create_future()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self.buf)[self.filled :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.filled += nbytes
+        if self.filled == len(self.buf):
+            self.transport.pause_reading()
+            asyncio.get_running_loop().call_soon(self.take)
+
+    def take(self) -> None:
+        self.got += self.buf[: self.filled]
+        self.filled = 0
+        self.transport.resume_reading()
+
+    def eof_received(self) -> bool:
+        self.at_eof = len(self.got) + self.filled
+        return False
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.got += self.buf[: self.filled]
+        self.filled = 0
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_buffered_protocol_that_pauses_when_full_gets_every_byte(
+    tls: bool, request: pytest.FixtureRequest,
+) -> None:
+    """slabnet asked the paused app for another buffer, got an empty one,
+    raised RuntimeError and ended the connection (plain: after 4 KiB of
+    2 MiB). Every byte comes, and the EOF after the last one."""
+    server_ssl, client_ssl = contexts(tls, request)
+    server = await sending_server(DATA, server_ssl)
+    try:
+        app = FixedBuffer()
+        await connect(app, server.sockets[0].getsockname()[1], client_ssl)
+        assert await asyncio.wait_for(app.lost, WAKE) is None
+        assert len(app.got) == TOTAL
+        assert bytes(app.got) == DATA
+        assert app.at_eof == TOTAL  # the EOF came after the last byte
+    finally:
+        server.close()
+
+
+class Counting(asyncio.BufferedProtocol):
+    """1,000-byte buffers; ``how`` the transport after the first."""
+
+    def __init__(self, how: str) -> None:
+        self.how = how
+        self.calls = 0
+        self.buf = bytearray(1000)
+        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self.buf)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.calls += 1
+        if self.calls == 1:
+            getattr(self.transport, self.how)()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("how", ["close", "abort"])
+async def test_nothing_is_delivered_after_close_or_abort_from_buffer_updated(
+    tls: bool, how: str, request: pytest.FixtureRequest,
+) -> None:
+    """slabnet went on filling the app's buffers to the end of the read:
+    over 100 more buffer_updated() calls (plain), 13 over TLS."""
+    server_ssl, client_ssl = contexts(tls, request)
+    server = await sending_server(DATA, server_ssl)
+    try:
+        app = Counting(how)
+        await connect(app, server.sockets[0].getsockname()[1], client_ssl)
+        await asyncio.wait_for(app.lost, WAKE)
+        assert app.calls == 1
+    finally:
+        server.close()
+
+
+class Switching(asyncio.BufferedProtocol):
+    """Switches the transport to ``new`` in its first buffer_updated()."""
+
+    def __init__(self, new: asyncio.BaseProtocol) -> None:
+        self.new = new
+        self.calls = 0
+        self.got = bytearray()
+        self.buf = bytearray(1000)
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return memoryview(self.buf)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.calls += 1
+        self.got += self.buf[:nbytes]
+        if self.calls == 1:
+            self.transport.set_protocol(self.new)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        pass
+
+
+class SwitchingChunks(slabnet.ChunkProtocol):
+    """The same, as a ChunkProtocol (its chunks are whole TLS chunks)."""
+
+    def __init__(self, new: asyncio.BaseProtocol) -> None:
+        self.new = new
+        self.calls = 0
+        self.got = bytearray()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        self.calls += 1
+        self.got += chunk
+        if self.calls == 1:
+            self.transport.set_protocol(self.new)
+
+
+class Collecting(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.got = bytearray()
+        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        self.got += data
+
+    def eof_received(self) -> bool:
+        return False
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("old", [Switching, SwitchingChunks], ids=["buffered", "chunks"])
+async def test_set_protocol_from_a_data_callback_sends_the_rest_to_the_new_protocol(
+    tls: bool, old: type, request: pytest.FixtureRequest,
+) -> None:
+    """An upgrade (HTTP to WebSocket) switches protocols in the middle of a
+    read: every later byte goes to the new protocol, in order. slabnet
+    went on filling the old BufferedProtocol's buffers to the end of the
+    read, and over TLS handed the old ChunkProtocol the rest of the read's
+    chunks."""
+    server_ssl, client_ssl = contexts(tls, request)
+    server = await sending_server(DATA, server_ssl)
+    try:
+        new = Collecting()
+        app = old(new)
+        await connect(app, server.sockets[0].getsockname()[1], client_ssl)
+        await asyncio.wait_for(new.lost, WAKE)
+        assert app.calls == 1
+        assert len(app.got) + len(new.got) == TOTAL
+        assert bytes(app.got + new.got) == DATA
+    finally:
+        server.close()
+
+
+class Failing(slabnet.ChunkProtocol):
+    """Its chunk_received raises; a callback it scheduled first then looks
+    at the transport and writes."""
+
+    def __init__(self) -> None:
+        self.closing_after: bool | None = None
+        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        asyncio.get_running_loop().call_soon(self.later)
+        raise RuntimeError("app bug")
+
+    def later(self) -> None:
+        self.closing_after = self.transport.is_closing()
+        self.transport.write(b"AFTER")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+@pytest.mark.asyncio
+async def test_a_raising_chunk_received_ends_the_plain_connection_at_once() -> None:
+    """The loops end their transport at once when a protocol's data
+    callback raises (is_closing() True, later writes dropped). slabnet's
+    transport stayed open until the loop's transport called
+    connection_lost an iteration later, and a write made meanwhile reached
+    the peer."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    got: asyncio.Future[bytes] = loop.create_future()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b"x" * 1000)
+        await writer.drain()
+        data = b""
+        try:
+            while part := await reader.read(1000):
+                data += part
+        except ConnectionError:
+            pass
+        got.set_result(data)
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        app = Failing()
+        await connect(app, server.sockets[0].getsockname()[1], None)
+        exc = await asyncio.wait_for(app.lost, WAKE)
+        assert isinstance(exc, RuntimeError) and str(exc) == "app bug"
+        assert await asyncio.wait_for(got, WAKE) == b""
+        assert app.closing_after is True
+        assert [type(c.get("exception")) for c in errors] == [RuntimeError]
+    finally:
+        loop.set_exception_handler(None)
+        server.close()
