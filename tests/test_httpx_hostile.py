@@ -484,6 +484,51 @@ async def test_tls_idle_connection_closed_by_server_is_replaced(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize("framing", ["length", "chunked", "close"])
+async def test_tls_body_cut_inside_a_record(
+    listener: socket.socket, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext, framing: str,
+) -> None:
+    """The server's FIN comes in the middle of a record of the body, with
+    no close_notify: slabnet's TLS says so (``TLSTruncatedError``), a
+    ``ReadError``, whatever the framing. The default backend (anyio, not
+    standard-compatible) reads the cut as the end: h11's
+    RemoteProtocolError for a Content-Length or chunked body, and for a
+    body that ends at the close a 200 with the body cut short. (The README
+    states the difference.)"""
+    head = {
+        "length": b"HTTP/1.1 200 OK\r\nContent-Length: 10000\r\n\r\n",
+        "chunked": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2710\r\n",
+        "close": b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n",
+    }[framing]
+
+    async def script(tls: RawTLS, n: int) -> None:
+        await tls_head(tls)
+        await tls.send(tls.seal(head))
+        await asyncio.sleep(0.02)
+        await tls.send(tls.seal(b"z" * 5000)[:100])  # a record's first 100 bytes
+        await asyncio.sleep(0.02)
+        tls.sock.shutdown(socket.SHUT_WR)
+        await asyncio.sleep(WAIT)
+
+    async def run(c: httpx.AsyncClient, url: str) -> object:
+        try:
+            r = await c.get(url, timeout=httpx.Timeout(WAIT, read=5.0))
+        except httpx.ReadError as exc:
+            return type(exc), "UNEXPECTED_EOF_WHILE_READING" in str(exc)
+        except httpx.TransportError as exc:
+            return type(exc)
+        return r.status_code, r.content
+
+    seen = await both_tls(listener, tls_server_context, tls_client_context, script, run)
+    assert seen["slabnet"] == ((httpx.ReadError, True), 1)
+    if framing == "close":
+        assert seen["default"] == ((200, b""), 1)
+    else:
+        assert seen["default"] == (httpx.RemoteProtocolError, 1)
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("where", ["head", "body"])
 @pytest.mark.parametrize("then", ["nothing", "fin", "rst"])
 async def test_tls_fatal_alert_mid_response(
