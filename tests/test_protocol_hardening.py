@@ -124,20 +124,27 @@ async def test_a_buffered_protocol_that_pauses_when_full_gets_every_byte(
         server.close()
 
 
-class Counting(asyncio.BufferedProtocol):
-    """1,000-byte buffers; ``how`` the transport after the first."""
+class SmallBuffers(asyncio.BufferedProtocol):
+    """Its buffers are 1,000 bytes: each read fills many."""
 
-    def __init__(self, how: str) -> None:
-        self.how = how
+    def __init__(self) -> None:
         self.calls = 0
         self.buf = bytearray(1000)
-        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return memoryview(self.buf)
+
+
+class Counting(SmallBuffers):
+    """``how`` the transport after the first buffer."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
 
     def buffer_updated(self, nbytes: int) -> None:
         self.calls += 1
@@ -168,20 +175,13 @@ async def test_nothing_is_delivered_after_close_or_abort_from_buffer_updated(
         server.close()
 
 
-class Switching(asyncio.BufferedProtocol):
+class Switching(SmallBuffers):
     """Switches the transport to ``new`` in its first buffer_updated()."""
 
     def __init__(self, new: asyncio.BaseProtocol) -> None:
+        super().__init__()
         self.new = new
-        self.calls = 0
         self.got = bytearray()
-        self.buf = bytearray(1000)
-
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return memoryview(self.buf)
 
     def buffer_updated(self, nbytes: int) -> None:
         self.calls += 1
