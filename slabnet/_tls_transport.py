@@ -248,6 +248,19 @@ class TLSTransport(WriteGate):
         lower = self._lower
         return self._closing or lower is None or lower.is_closing()
 
+    def prepare(self) -> None:
+        """Make the engine. It raises for a bad ``server_hostname``
+        (UnicodeError, ValueError) or a client context on the server side
+        (ssl.SSLError): STARTTLS calls this before the connection changes
+        hands, so the plain connection and its unread bytes stay the app's."""
+        ctx, server_side, hostname, ragged, session = self._engine_args
+        engine = TLSEngine(
+            ctx, server_side=server_side, server_hostname=hostname,
+            session=session, ragged_eof=ragged,
+        )
+        engine.answers_limit = ANSWERS_MAX  # (see _pump)
+        self._engine = engine
+
     # ================================================ the plain connection's side
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -258,19 +271,13 @@ class TLSTransport(WriteGate):
             self.set_write_buffer_limits(high, low)
         else:
             self._forward_limits()
-        ctx, server_side, hostname, ragged, session = self._engine_args
-        try:
-            # Raises for a bad server_hostname (UnicodeError, ValueError)
-            # or a client context on the server side (ssl.SSLError).
-            self._engine = TLSEngine(
-                ctx, server_side=server_side, server_hostname=hostname,
-                session=session, ragged_eof=ragged,
-            )
-        except Exception as exc:
-            # Nothing may be read as plaintext on a connection meant for TLS.
-            self._fail(exc, "slabnet: could not set up the connection")
-            return
-        self._engine.answers_limit = ANSWERS_MAX  # (see _pump)
+        if self._engine is None:  # (STARTTLS made it before the switch)
+            try:
+                self.prepare()
+            except Exception as exc:
+                # Nothing may be read as plaintext on a connection meant for TLS.
+                self._fail(exc, "slabnet: could not set up the connection")
+                return
         self._timer = self._loop.call_later(self._handshake_timeout, self._handshake_timed_out)
         self._handshake()
 

@@ -528,6 +528,10 @@ class WriteGate(_FlowControlBase):
         """
         from ._tls_transport import TLSTransport
 
+        if not isinstance(sslcontext, ssl.SSLContext):  # (asyncio's words)
+            raise TypeError(
+                f"sslcontext is expected to be an instance of ssl.SSLContext, got {sslcontext!r}"
+            )
         self._check_upgradable()
         if not server_side and not server_hostname and sslcontext.check_hostname:
             raise ValueError("start_tls() on a client needs server_hostname")
@@ -538,10 +542,12 @@ class WriteGate(_FlowControlBase):
             ssl_shutdown_timeout=ssl_shutdown_timeout, ssl_ragged_eof=ssl_ragged_eof,
             ssl_session=ssl_session, waiter=waiter, upgrade=True, app_paused=self._protocol_paused,
         )
+        tls.prepare()  # (what the engine refuses is raised before the switch)
         self._carry(tls)
         tls.connection_made(self)
         if already_read and not tls.is_closing():
             tls.chunk_received(memoryview(already_read))
+        self._tell_eof_again()
         return tls, waiter
 
     def _check_upgradable(self) -> None:
@@ -551,6 +557,10 @@ class WriteGate(_FlowControlBase):
     def _carry(self, tls: TLSTransport) -> None:
         """Make ``tls`` this connection's protocol: it gets every chunk."""
         raise NotImplementedError
+
+    def _tell_eof_again(self) -> None:
+        """Tell the new TLS layer of a FIN the app's protocol got before
+        the upgrade (see ``SlabProtocol.tell_eof_again``)."""
 
 
 class _OutlivingClient:
@@ -835,6 +845,9 @@ class SlabTransport(WriteGate):
     def _carry(self, tls: TLSTransport) -> None:
         self._proto.set_upper(tls)
 
+    def _tell_eof_again(self) -> None:
+        self._proto.tell_eof_again()
+
     # ------------------------------------------------ closing
 
     def close(self) -> None:
@@ -873,6 +886,14 @@ class SlabTransport(WriteGate):
         if self._out and not self._waiting_writable and self._send_open:
             self._send_queued()
         self._abort(exc or LocalAbortError("connection aborted locally (transport.abort())"))
+
+    def _force_close(self, exc: BaseException | None) -> None:
+        """What asyncio's ``SSLProtocol`` calls on a fatal error or when its
+        shutdown times out (``loop.start_tls()`` over this transport), as
+        the loop's transports have it: an abort whose error its
+        ``connection_lost`` reports, which wakes the ``start_tls()`` that
+        waits for the handshake."""
+        self.abort(exc)
 
     def _abort(self, exc: BaseException) -> None:
         if self._state is _State.CLOSED:
@@ -1235,7 +1256,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         "loop", "upper", "_slab", "_res", "_sizer", "_waiter", "_ready_when_made",
         "_deliver", "_borrows", "_raw", "_transport", "_upper_made", "_lost",
         "_lazy_pause", "_paused", "_socket_paused", "_eof", "_pause_buf", "_held",
-        "_release_scheduled", "_stopped", "_eof_held",
+        "_release_scheduled", "_stopped", "_eof_held", "_eof_to",
     )
 
     def __init__(
@@ -1300,6 +1321,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._release_scheduled = False
         self._stopped = False  # closed or aborted by the layer above: no more chunks
         self._eof_held = False  # a read made while paused found the peer's FIN
+        self._eof_to: Any = None  # the upper protocol that was told of the FIN
 
     def set_upper(self, upper: Any) -> None:
         """Make ``upper`` the protocol that gets this connection's chunks.
@@ -1382,7 +1404,8 @@ class SlabProtocol(asyncio.BufferedProtocol):
         return True  # the loop's transport stays: our close() ends it
 
     def _deliver_eof(self, tr: SlabTransport) -> None:
-        keep_open = self.upper.eof_received()
+        self._eof_to = upper = self.upper
+        keep_open = upper.eof_received()
         if not keep_open:
             tr.close()
 
@@ -1428,7 +1451,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
             # cut every closed connection -- over TLS its SSLObject too --
             # would wait for the cyclic garbage collector instead of being
             # freed with its last reference.
-            self.upper = self._deliver = None
+            self.upper = self._deliver = self._eof_to = None
 
     # ------------------------------------------------ a BufferedProtocol upper
     # (the owner of its _BufferFiller)
@@ -1481,10 +1504,24 @@ class SlabProtocol(asyncio.BufferedProtocol):
             self._socket_paused = True
             self._raw.pause_reading()
 
+    def tell_eof_again(self) -> None:
+        """The peer's FIN went to an earlier upper protocol (the app's, which
+        kept the connection open, before its STARTTLS): tell the one there
+        is now too, from the loop, once it is made. The loops' transports
+        tell it when reading resumes after the switch, as they read the FIN
+        again (``loop.start_tls()`` pauses, switches and resumes); without
+        it a TLS handshake would wait for its timeout."""
+        if self._eof and not self._eof_held and not self._stopped and self._eof_to is not self.upper:
+            self._eof_held = True
+            if not self._paused and not self._release_scheduled:
+                self._release_scheduled = True
+                self.loop.call_soon(self._release_held)
+
     def resume_reading(self) -> None:
         if not self._paused:
             return
         self._paused = False
+        self.tell_eof_again()
         if self._held is not None or self._eof_held:
             # Delivered from the loop, not from inside the caller (a stream
             # resumes in the middle of a read), and before any newer read:
