@@ -124,7 +124,9 @@ def check_ssl_timeout(name: str, value: float | None, default: float) -> float:
     still has to send."""
     if value is None:
         return default
-    if value <= 0:
+    # (NaN too, which compares false: the asyncio loop's timer for it never
+    # fires, and uvloop's raises ValueError for every connection.)
+    if not value > 0:
         raise ValueError(f"{name} should be a positive number, got {value}")
     return value
 

@@ -93,7 +93,8 @@ async def test_fin_during_the_handshake_is_connection_reset(
 BAD_TIMEOUTS = pytest.mark.parametrize(
     ("name", "value"),
     [("ssl_handshake_timeout", 0), ("ssl_handshake_timeout", -1.0),
-     ("ssl_shutdown_timeout", 0), ("ssl_shutdown_timeout", -5)],
+     ("ssl_shutdown_timeout", 0), ("ssl_shutdown_timeout", -5),
+     ("ssl_handshake_timeout", float("nan")), ("ssl_shutdown_timeout", float("nan"))],
 )
 
 
