@@ -15,6 +15,8 @@ import gc
 import hashlib
 import os
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import warnings
@@ -29,6 +31,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 
 from examples._common import frame_bytes, impl_available, make_certs, server_ssl_context  # noqa: E402
 from examples.tts_service import ServiceConfig, serve, synthetic_pcm  # noqa: E402
+from examples.tts_service._synth import PhraseCache  # noqa: E402
 from examples.voice_server import VoiceConfig, Worker  # noqa: E402
 
 CALLS = 20
@@ -163,3 +166,66 @@ def test_command_line_two_workers_each(certs: Any) -> None:
         out, _ = service.communicate(timeout=30)
     assert service.returncode == 0
     assert "stopped cleanly" in out and "0 connection errors" in out, out
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("impl", ["slabnet", "asyncio"])
+async def test_service_stops_in_its_grace_time_with_a_client_that_never_reads(
+    certs: Any, impl: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client mid-response that reads nothing (nor answers a close_notify)
+    kept the service from stopping: its handler, cancelled after the grace
+    time, then waited in wait_closed() for the TLS shutdown, 30 s."""
+    _need(impl)
+    from examples.tts_service import _server
+
+    monkeypatch.setattr(_server, "SHUTDOWN_GRACE_S", 0.3)
+    loop = asyncio.get_running_loop()
+    listening: asyncio.Future[Any] = loop.create_future()
+    stop = asyncio.Event()
+    service_task = asyncio.create_task(serve(
+        ServiceConfig(port=0, impl=impl, voice="synthetic", speed=1.0, warm_rates=()),
+        server_ssl_context(certs), ready=listening.set_result, stop=stop,
+        handle_signals=False,
+    ))
+    service = await asyncio.wait_for(listening, 30)
+    context = ssl.create_default_context(cafile=str(certs.ca))
+
+    def connect() -> ssl.SSLSocket:
+        sock = socket.create_connection(("127.0.0.1", service.port), timeout=10)
+        client = context.wrap_socket(sock, server_hostname="localhost")
+        # Several seconds of audio at real time: mid-response at the stop.
+        client.sendall(b"GET /v1/speech?text=" + b"hello+there+" * 20
+                       + b"&rate=8000 HTTP/1.1\r\nhost: localhost\r\n\r\n")
+        return client
+
+    client = await asyncio.to_thread(connect)
+    try:
+        async with asyncio.timeout(10):
+            while not service._busy:
+                await asyncio.sleep(0.01)
+        stop.set()
+        async with asyncio.timeout(10):
+            await service_task
+        assert service._writers == set()
+    finally:
+        client.close()
+        if not service_task.done():
+            service_task.cancel()
+
+
+@pytest.mark.asyncio
+async def test_the_phrase_cache_keeps_at_most_its_bound() -> None:
+    """Every text a client asked for stayed cached (a few MB each): the
+    cache keeps at most max_bytes, dropping the least recently used."""
+    one = len(synthetic_pcm("phrase 0", RATE))
+    cache = PhraseCache("synthetic", max_bytes=3 * one + one // 2)
+    first = await cache.get("phrase 0", RATE)
+    for i in range(1, 10):
+        assert await cache.get("phrase 0", RATE) is first  # (the most recent use)
+        await cache.get(f"phrase {i}", RATE)
+        await asyncio.sleep(0)  # (the cache counts a phrase in a callback)
+        assert cache.cached_bytes <= cache.max_bytes
+    assert len(cache) == 3
+    assert await cache.get("phrase 0", RATE) is first
+    assert cache.cached_bytes == sum(len(synthetic_pcm(f"phrase {i}", RATE)) for i in (0, 8, 9))

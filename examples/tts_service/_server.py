@@ -121,6 +121,7 @@ class TTSService:
         self.port = config.port
         self._idle: set[asyncio.Task[None]] = set()
         self._busy: set[asyncio.Task[None]] = set()
+        self._writers: set[Any] = set()  # every open connection's
         self._closing = False
         self.responses = 0
         self.errors = 0
@@ -147,6 +148,12 @@ class TTSService:
         pending = self._idle | self._busy
         if pending:
             _, late = await asyncio.wait(pending, timeout=SHUTDOWN_GRACE_S)
+            # What is left waits on a client that does not read: to take a
+            # response, or (TLS) to answer the close_notify, which would keep
+            # the service up until its ssl_shutdown_timeout or for good.
+            # Those connections are dropped.
+            for writer in list(self._writers):
+                writer.transport.abort()
             for task in late:
                 task.cancel()
             if late:
@@ -167,6 +174,7 @@ class TTSService:
         task = asyncio.current_task()
         assert task is not None
         self._idle.add(task)
+        self._writers.add(writer)
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
         read = reader.read_chunk if self.config.impl == "slabnet" else None
         try:
@@ -205,6 +213,7 @@ class TTSService:
             writer.close()
             with contextlib.suppress(OSError, ssl.SSLError, asyncio.CancelledError):
                 await writer.wait_closed()
+            self._writers.discard(writer)
 
     @staticmethod
     async def _next_event(conn: h11.Connection, reader: Any, read: Any) -> Any:

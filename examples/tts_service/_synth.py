@@ -27,6 +27,7 @@ import sys
 import tempfile
 import wave
 from array import array
+from collections import OrderedDict
 from pathlib import Path
 
 from .._common import SAMPLE_RATES, SAMPLE_WIDTH
@@ -168,12 +169,23 @@ def espeak_pcm(text: str, rate: int) -> bytes:
 # Cache
 
 
-class PhraseCache:
-    """Synthesize each (text, rate) once; concurrent requests share the work."""
+#: Audio a PhraseCache keeps, at most (the warm phrase list takes about 2 MiB).
+CACHE_BYTES = 32 * 1024 * 1024
 
-    def __init__(self, voice: str = "auto") -> None:
+
+class PhraseCache:
+    """Synthesize each (text, rate) once; concurrent requests share the work.
+
+    At most ``max_bytes`` of audio stay cached; the phrases used least
+    recently are dropped first. The clients pick the texts, so a cache
+    without a bound would grow by a few MB for each new one they ask for."""
+
+    def __init__(self, voice: str = "auto", max_bytes: int = CACHE_BYTES) -> None:
         self.voice = resolve_voice(voice)
-        self._phrases: dict[tuple[str, int], asyncio.Future[Phrase]] = {}
+        self.max_bytes = max_bytes
+        self.cached_bytes = 0  # of the phrases made and still cached
+        self._sizes: dict[tuple[str, int], int] = {}  # their sizes
+        self._phrases: OrderedDict[tuple[str, int], asyncio.Future[Phrase]] = OrderedDict()
 
     def synthesize(self, text: str, rate: int) -> Phrase:
         """Blocking synthesis, no cache."""
@@ -192,13 +204,25 @@ class PhraseCache:
             loop = asyncio.get_running_loop()
             fut = loop.run_in_executor(None, self.synthesize, text, rate)
             self._phrases[key] = fut
-            try:
-                return await asyncio.shield(fut)
-            except BaseException:
-                if fut.done() and fut.exception() is not None:
-                    del self._phrases[key]  # let a later request retry
-                raise
+            fut.add_done_callback(lambda done: self._made(key, done))
+        else:
+            self._phrases.move_to_end(key)
         return await asyncio.shield(fut)
+
+    def _made(self, key: tuple[str, int], fut: asyncio.Future[Phrase]) -> None:
+        if self._phrases.get(key) is not fut:
+            return
+        if fut.cancelled() or fut.exception() is not None:
+            del self._phrases[key]  # let a later request retry
+            return
+        size = self._sizes[key] = len(fut.result().pcm)
+        self.cached_bytes += size
+        for old in list(self._phrases):
+            if self.cached_bytes <= self.max_bytes:
+                break
+            if old in self._sizes:  # (one still being made counts once it is)
+                del self._phrases[old]
+                self.cached_bytes -= self._sizes.pop(old)
 
     def __len__(self) -> int:
         return len(self._phrases)
