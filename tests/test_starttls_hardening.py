@@ -53,6 +53,21 @@ async def served(opener: Any, handler: Handler) -> AsyncIterator[socket.socket]:
         server.close()
 
 
+async def settle(
+    upgrade: Awaitable[None], writer: Any, outcome: asyncio.Future[BaseException | None]
+) -> None:
+    """Await ``upgrade`` in a handler: what it raised (None if nothing) is
+    the outcome; the connection is closed after it."""
+    try:
+        await upgrade
+    except Exception as exc:
+        outcome.set_result(exc)
+    else:
+        outcome.set_result(None)
+    finally:
+        writer.close()
+
+
 # ------------------------------------------------- the peer's FIN came first
 
 
@@ -73,16 +88,12 @@ async def test_a_fin_before_the_upgrade_fails_it_at_once(
     outcome: asyncio.Future[BaseException | None] = loop.create_future()
 
     async def handler(reader: Any, writer: Any) -> None:
-        try:
+        async def upgrade() -> None:
             assert await reader.readline() == b"STARTTLS\r\n"
             await until(lambda: bool(reader._eof), "the FIN reached the stream")
             await writer.start_tls(server_ctx(server_cert), ssl_handshake_timeout=60)
-        except Exception as exc:
-            outcome.set_result(exc)
-        else:
-            outcome.set_result(None)
-        finally:
-            writer.close()
+
+        await settle(upgrade(), writer, outcome)
 
     async with served(opener, handler) as client:
         wire = b"STARTTLS\r\n" + (client_hello(tls_ca) if hello else b"")
@@ -113,7 +124,7 @@ async def test_loop_start_tls_over_slabnet_fails_as_over_the_loops_transport(
     transports: list[asyncio.BaseTransport] = []
 
     async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
-        try:
+        async def upgrade() -> None:
             assert await reader.readline() == b"STARTTLS\r\n"
             if fault == "fin":
                 await until(lambda: reader._eof, "the FIN reached the stream")
@@ -122,12 +133,8 @@ async def test_loop_start_tls_over_slabnet_fails_as_over_the_loops_transport(
             protocol = asyncio.StreamReaderProtocol(asyncio.StreamReader())
             await loop.start_tls(writer.transport, protocol, server_ctx(server_cert),
                                  server_side=True, ssl_handshake_timeout=60)
-        except Exception as exc:
-            outcome.set_result(exc)
-        else:
-            outcome.set_result(None)
-        finally:
-            writer.close()
+
+        await settle(upgrade(), writer, outcome)
 
     async with served(slabnet, handler) as client:
         await loop.sock_sendall(client, b"STARTTLS\r\n")
