@@ -547,7 +547,6 @@ class WriteGate(_FlowControlBase):
         tls.connection_made(self)
         if already_read and not tls.is_closing():
             tls.chunk_received(memoryview(already_read))
-        self._tell_eof_again()
         return tls, waiter
 
     def _check_upgradable(self) -> None:
@@ -557,10 +556,6 @@ class WriteGate(_FlowControlBase):
     def _carry(self, tls: TLSTransport) -> None:
         """Make ``tls`` this connection's protocol: it gets every chunk."""
         raise NotImplementedError
-
-    def _tell_eof_again(self) -> None:
-        """Tell the new TLS layer of a FIN the app's protocol got before
-        the upgrade (see ``SlabProtocol.tell_eof_again``)."""
 
 
 class _OutlivingClient:
@@ -844,8 +839,8 @@ class SlabTransport(WriteGate):
 
     def _carry(self, tls: TLSTransport) -> None:
         self._proto.set_upper(tls)
-
-    def _tell_eof_again(self) -> None:
+        # A FIN the app's protocol got goes to the TLS layer too, from the
+        # loop: after its connection_made and the bytes read before.
         self._proto.tell_eof_again()
 
     # ------------------------------------------------ closing
