@@ -196,7 +196,9 @@ class StreamReader:
         # server's connections are idle. Never None while it holds a chunk.
         self._chunks: collections.deque[memoryview] | None = None
         self._pos = 0  # bytes of _chunks[0] already consumed
-        self._tail = _Sealed()  # small chunks, coalesced; after all of _chunks
+        # Small chunks, coalesced, after all of _chunks: a _Sealed once one
+        # comes, b"" while there is none (one object fewer per idle reader).
+        self._tail: _Sealed | bytes = b""
         self._size = 0  # buffered bytes not yet consumed (_chunks and _tail)
         self._examined = 0  # bytes the separator search has looked at, ever
         self._eof = False
@@ -260,7 +262,7 @@ class StreamReader:
         data = bytes(memoryview(data))
         self._chunks = None
         self._pos = 0
-        self._tail = _Sealed()
+        self._tail = b""
         self._size = 0
         self._put_back(data)
         self._maybe_resume()
@@ -328,7 +330,11 @@ class StreamReader:
         else:
             n = len(chunk)
             if n < _COALESCE_BELOW:
-                self._tail += chunk
+                tail = self._tail
+                if isinstance(tail, _Sealed):
+                    tail.extend(chunk)
+                else:
+                    self._tail = _Sealed(chunk)
             else:
                 if self._tail:
                     self._seal_tail()
@@ -354,7 +360,7 @@ class StreamReader:
         The view handed on is read-only and its ``bytearray`` is never
         written again: later small chunks start a fresh one."""
         self._queue().append(memoryview(self._tail).toreadonly())
-        self._tail = _Sealed()
+        self._tail = b""
 
     def _queue(self) -> collections.deque[memoryview]:
         chunks = self._chunks
@@ -815,7 +821,7 @@ class _StreamProtocol(ChunkProtocol):
 
     __slots__ = (
         "_loop", "_reader", "_client_connected_cb", "_transport", "_task", "_closed",
-        "_paused", "_drain_waiters", "_connection_lost", "_over_ssl",
+        "_paused", "_drain_waiters", "_connection_lost", "_lost_error", "_over_ssl",
     )
 
     def __init__(
@@ -829,12 +835,14 @@ class _StreamProtocol(ChunkProtocol):
         self._client_connected_cb = client_connected_cb
         self._transport: _Transport | None = None
         self._task: asyncio.Task[None] | None = None
-        self._closed = self._loop.create_future()
+        # The close future and the list of drain waiters are made when first
+        # wanted: few of a server's idle connections are ever awaited in
+        # wait_closed() or drain(), and the two cost about 250 bytes each.
+        self._closed: asyncio.Future[None] | None = None
         self._paused = False
-        # (A list: rarely more than one waiter, and an empty deque costs 760
-        # bytes per connection.)
-        self._drain_waiters: list[asyncio.Future[None]] = []
+        self._drain_waiters: list[asyncio.Future[None]] | None = None
         self._connection_lost = False
+        self._lost_error: BaseException | None = None  # what wait_closed() raises
         self._over_ssl = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -878,15 +886,14 @@ class _StreamProtocol(ChunkProtocol):
             reader.feed_eof()
         else:
             reader.set_exception(exc)
-        if not self._closed.done():
-            if exc is None or isinstance(exc, LocalAbortError):
-                # wait_closed() after our own abort() is not a failure.
-                self._closed.set_result(None)
-            else:
-                self._closed.set_exception(exc)
-                self._closed.exception()  # mark retrieved, as asyncio does
-        self._connection_lost = True
-        for waiter in self._drain_waiters:
+        if not self._connection_lost:
+            self._connection_lost = True
+            if exc is not None and not isinstance(exc, LocalAbortError):
+                # (wait_closed() after our own abort() is not a failure.)
+                self._lost_error = exc
+            if self._closed is not None:
+                self._settle_closed(self._closed)
+        for waiter in self._drain_waiters or ():
             if not waiter.done():
                 if exc is None:
                     waiter.set_result(None)
@@ -894,12 +901,21 @@ class _StreamProtocol(ChunkProtocol):
                     waiter.set_exception(exc)
         self._task = None
 
+    def _settle_closed(self, closed: asyncio.Future[None]) -> None:
+        if closed.done():
+            return
+        if self._lost_error is None:
+            closed.set_result(None)
+        else:
+            closed.set_exception(self._lost_error)
+            closed.exception()  # mark retrieved, as asyncio does
+
     def pause_writing(self) -> None:
         self._paused = True
 
     def resume_writing(self) -> None:
         self._paused = False
-        for waiter in self._drain_waiters:
+        for waiter in self._drain_waiters or ():
             if not waiter.done():
                 waiter.set_result(None)
 
@@ -909,16 +925,24 @@ class _StreamProtocol(ChunkProtocol):
         if not self._paused:
             return
         waiter = self._loop.create_future()
-        self._drain_waiters.append(waiter)
+        waiters = self._drain_waiters
+        if waiters is None:
+            waiters = self._drain_waiters = []
+        waiters.append(waiter)
         try:
             await waiter
         finally:
-            self._drain_waiters.remove(waiter)
+            waiters.remove(waiter)
 
     def _get_close_waiter(self, stream: object = None) -> asyncio.Future[None]:
         # ``stream``: the writer, which asyncio's StreamWriter passes to
         # asyncio's protocol (unused here: one close future per connection).
-        return self._closed
+        closed = self._closed
+        if closed is None:
+            closed = self._closed = self._loop.create_future()
+            if self._connection_lost:
+                self._settle_closed(closed)
+        return closed
 
     def _upgraded(self, transport: TLSTransport) -> None:
         """STARTTLS has begun: the stream runs over the TLS layer from now on."""

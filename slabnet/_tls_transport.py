@@ -110,6 +110,10 @@ ANSWERS_MAX: Final = 16 * 1024
 RECORD_OVERHEAD_MAX: Final = 128
 
 #: The names get_extra_info answers from the engine, not from the socket.
+#: What ``prepare`` makes the engine from: the context, server_side, the
+#: server hostname, ragged EOF, the session.
+_EngineArgs = tuple[ssl.SSLContext, bool, "str | None", bool, "ssl.SSLSession | None"]
+
 _TLS_EXTRA: Final = frozenset(
     {"ssl_object", "peercert", "cipher", "compression", "sslcontext", "peercert_bin",
      # TLSEngine.get_extra_info's own names, beyond asyncio's
@@ -185,7 +189,8 @@ class TLSTransport(WriteGate):
         # An empty name is no name (no SNI, nothing to check), as asyncio's
         # and uvloop's SSL protocols read it; SSLContext.wrap_bio refuses "".
         server_hostname = server_hostname or None
-        self._engine_args = (sslcontext, server_side, server_hostname, ssl_ragged_eof, ssl_session)
+        self._engine_args: _EngineArgs | None = (
+            sslcontext, server_side, server_hostname, ssl_ragged_eof, ssl_session)
         self._handshake_timeout = check_ssl_timeout(
             "ssl_handshake_timeout", ssl_handshake_timeout, SSL_HANDSHAKE_TIMEOUT
         )
@@ -255,6 +260,7 @@ class TLSTransport(WriteGate):
         (UnicodeError, ValueError) or a client context on the server side
         (ssl.SSLError): STARTTLS calls this before the connection changes
         hands, so the plain connection and its unread bytes stay the app's."""
+        assert self._engine_args is not None, "the engine is made once"
         ctx, server_side, hostname, ragged, session = self._engine_args
         engine = TLSEngine(
             ctx, server_side=server_side, server_hostname=hostname,
@@ -262,6 +268,7 @@ class TLSTransport(WriteGate):
         )
         engine.answers_limit = ANSWERS_MAX  # (see _pump)
         self._engine = engine
+        self._engine_args = None  # (the engine holds what it needs)
 
     # ================================================ the plain connection's side
 

@@ -103,6 +103,9 @@ log = logging.getLogger("slabnet")
 
 #: asyncio's FlowControlMixin default high-water mark; low is a quarter.
 DEFAULT_HIGH_WATER: Final = 64 * 1024
+# low for the default high-water marks (this one, and the TLS layer's
+# 256 KiB read limit), one int object for every connection: see flow_limits.
+_QUARTERS: Final = {high: high // 4 for high in (DEFAULT_HIGH_WATER, 256 * 1024)}
 
 #: Small writes gathered in the pool go out at the end of the loop iteration,
 #: or earlier once this much is waiting: one ``sendmsg`` per 64 KiB at most.
@@ -267,7 +270,11 @@ def flow_limits(high: int | None, low: int | None, default_high: int) -> tuple[i
     if high is None:
         high = default_high if low is None else 4 * low
     if low is None:
-        low = high // 4
+        # (The defaults' quarters are shared: an int above 256 computed
+        # anew is an object of its own, on every connection.)
+        low = _QUARTERS.get(high)
+        if low is None:
+            low = high // 4
     if not high >= low >= 0:
         raise ValueError(f"high ({high!r}) must be >= low ({low!r}) must be >= 0")
     return high, low
