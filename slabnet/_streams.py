@@ -96,6 +96,10 @@ ClientConnectedCallback = Callable[
 #: when a chunk arrives) still gets every chunk as it came.
 _COALESCE_BELOW: Final = 1024
 
+#: Before 3.13 asyncio's StreamReaderProtocol keeps a server connection's
+#: writer until the connection is lost; from 3.13 on it keeps no reference.
+_KEEP_SERVER_WRITER: Final = sys.version_info < (3, 13)
+
 _BytesLike = bytes | bytearray | memoryview
 
 
@@ -821,7 +825,7 @@ class _StreamProtocol(ChunkProtocol):
 
     __slots__ = (
         "_loop", "_reader", "_client_connected_cb", "_transport", "_task", "_closed",
-        "_paused", "_drain_waiters", "_connection_lost", "_lost_error", "_over_ssl",
+        "_paused", "_drain_waiters", "_connection_lost", "_lost_error", "_over_ssl", "_writer",
     )
 
     def __init__(
@@ -844,6 +848,10 @@ class _StreamProtocol(ChunkProtocol):
         self._connection_lost = False
         self._lost_error: BaseException | None = None  # what wait_closed() raises
         self._over_ssl = False
+        # A server connection's writer, kept until the connection is lost
+        # before Python 3.13, as asyncio's protocol keeps it there (see
+        # StreamWriter.__del__).
+        self._writer: StreamWriter | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         transport = cast(_Transport, transport)
@@ -853,6 +861,8 @@ class _StreamProtocol(ChunkProtocol):
         self._over_ssl = transport.get_extra_info("sslcontext") is not None
         if self._client_connected_cb is not None:
             writer = StreamWriter(transport, self, reader, self._loop)
+            if _KEEP_SERVER_WRITER:
+                self._writer = writer
             res = self._client_connected_cb(reader, writer)
             if asyncio.iscoroutine(res):
                 self._task = self._loop.create_task(res)
@@ -900,6 +910,7 @@ class _StreamProtocol(ChunkProtocol):
                 else:
                     waiter.set_exception(exc)
         self._task = None
+        self._writer = None
 
     def _settle_closed(self, closed: asyncio.Future[None]) -> None:
         if closed.done():
@@ -973,10 +984,14 @@ class StreamWriter:
 
     def __del__(self, warnings: Any = warnings) -> None:
         # As asyncio's writer does (3.11.5 on): one dropped without close()
-        # closes its connection, gracefully, and says so. Nothing else keeps
-        # a writer alive -- the protocol holds the reader and the transport,
-        # never the writer -- so a handler that returns without close() ends
-        # its connection (and Server.wait_closed() on 3.12+ returns).
+        # closes its connection, gracefully, and says so. A client's writer
+        # is the caller's alone. A server connection's is kept by its
+        # protocol until the connection is lost before 3.13, as asyncio's
+        # protocol keeps it there: a handler may give the reader to a task
+        # and return, and the task still gets every byte (asyncio 3.13
+        # keeps neither, and so closes such a connection at once). From
+        # 3.13 on, a handler that returns without close() ends its
+        # connection, as asyncio's does.
         transport = getattr(self, "_transport", None)
         if transport is None or transport.is_closing():
             return  # (or __init__ failed)

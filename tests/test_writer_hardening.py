@@ -27,7 +27,7 @@ import pytest_asyncio
 
 import slabnet
 from slabnet._transport import _PAUSED_READ
-from conftest import RawTLS, fds_settle, hard_close, open_fds, recv_exactly, wait_acked
+from conftest import RawTLS, client_ctx, fds_settle, hard_close, open_fds, recv_exactly, server_ctx, wait_acked
 
 WAKE = 5.0  # seconds any wait may take before the test fails
 SMALL_BUF = 16 * 1024  # SO_SNDBUF / SO_RCVBUF where a test needs a backlog
@@ -84,23 +84,50 @@ async def connect_small(port: int, **kw: Any) -> tuple[slabnet.StreamReader, sla
 # ------------------------------------------------ 9: a dropped writer
 
 
+#: asyncio's StreamReaderProtocol keeps a server connection's writer until
+#: the connection is lost before 3.13, and no reference to it from 3.13 on.
+WRITER_KEPT = sys.version_info < (3, 13)
+START_SERVER = {"slabnet": slabnet.start_server, "asyncio": asyncio.start_server}
+
+
+@pytest.mark.parametrize("impl", ["slabnet", "asyncio"])
 @pytest.mark.asyncio
-async def test_server_writer_dropped_without_close_is_closed_with_a_warning() -> None:
+async def test_server_writer_dropped_without_close_as_asyncio(impl: str) -> None:
+    """3.13+: the handler's return closes the connection, with a warning.
+    Before: the protocol keeps the writer, and the connection stays open,
+    half-closed once the peer has sent its FIN, as asyncio's does (until
+    the server closes it)."""
     baseline = open_fds()
-    transports: list[slabnet.SlabTransport] = []  # (a transport never holds its writer)
+    transports: list[Any] = []
+    readers: list[Any] = []
+    returned = asyncio.get_running_loop().create_future()
 
-    async def forgetful(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+    async def forgetful(reader: Any, writer: Any) -> None:
         transports.append(writer.transport)
+        readers.append(reader)
         writer.write(b"hello")  # and return without close()
+        returned.set_result(None)
 
-    server = await slabnet.start_server(forgetful, "127.0.0.1", 0)
+    server = await START_SERVER[impl](forgetful, "127.0.0.1", 0)
     sock = socket.create_connection(server.sockets[0].getsockname())
     sock.setblocking(False)
     try:
-        with pytest.warns(ResourceWarning, match=r"unclosed <StreamWriter"):
-            # The client sees the bytes, then EOF: the server closed its side.
-            assert await sock_read_to_end(sock) == b"hello"
-        assert transports and transports[0].is_closing()
+        if WRITER_KEPT:
+            await asyncio.wait_for(returned, WAKE)
+            gc.collect()
+            assert await recv_exactly(sock, 5, WAKE) == b"hello"
+            await asyncio.sleep(0.05)
+            assert not transports[0].is_closing()
+            sock.shutdown(socket.SHUT_WR)
+            async with asyncio.timeout(WAKE):
+                while not readers[0].at_eof():
+                    await asyncio.sleep(0.01)
+            assert not transports[0].is_closing()
+        else:
+            with pytest.warns(ResourceWarning, match=r"unclosed <StreamWriter"):
+                # The client sees the bytes, then EOF: the server closed its side.
+                assert await sock_read_to_end(sock) == b"hello"
+            assert transports and transports[0].is_closing()
     finally:
         sock.close()
         server.close()
@@ -109,6 +136,77 @@ async def test_server_writer_dropped_without_close_is_closed_with_a_warning() ->
     # 3.12+: wait_closed() waits for every connection of the server.
     await asyncio.wait_for(server.wait_closed(), WAKE)
     assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("impl", ["slabnet", "asyncio"])
+# (3.13+: the dropped writer's warning, checked by the test above.)
+@pytest.mark.filterwarnings("ignore:unclosed:ResourceWarning")
+@pytest.mark.asyncio
+async def test_a_handler_that_gives_its_reader_to_a_task_loses_nothing_as_asyncio(
+    impl: str, tls: bool, tls_ca: Any, server_cert: Any
+) -> None:
+    """A read-only sink: the handler hands the reader to a task of its own
+    and returns without keeping the writer. Before 3.13 the task gets every
+    byte the peer sends after that (slabnet's writer closed the connection
+    when the handler returned, and the task saw EOF at once); from 3.13 on
+    asyncio closes such a connection, and so does slabnet."""
+    loop = asyncio.get_running_loop()
+    total = 200_000
+    returned = loop.create_future()
+    got: asyncio.Future[tuple[int, str]] = loop.create_future()
+
+    async def consume(reader: Any) -> None:
+        n = 0
+        try:
+            while data := await reader.read(65536):
+                n += len(data)
+        except (ConnectionError, ssl.SSLError) as exc:
+            got.set_result((n, type(exc).__name__))
+            return
+        got.set_result((n, "EOF"))
+
+    tasks: list[asyncio.Task[None]] = []
+
+    transports: list[Any] = []
+
+    async def handler(reader: Any, writer: Any) -> None:
+        transports.append(writer.transport)
+        tasks.append(asyncio.create_task(consume(reader)))
+        returned.set_result(None)
+
+    server = await START_SERVER[impl](
+        handler, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        kwargs: dict[str, Any] = (
+            {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
+        )
+        # The peer: asyncio's client, whatever the server.
+        _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, **kwargs), WAKE)
+        await asyncio.wait_for(returned, WAKE)
+        await asyncio.sleep(0)
+        gc.collect()  # the handler's frame and its writer are gone
+        try:
+            for _ in range(20):
+                writer.write(b"d" * (total // 20))
+                await writer.drain()
+        except ConnectionError:
+            pass  # the server closed first (3.13+)
+        writer.close()  # (FIN, or close_notify over TLS: the consumer's EOF)
+        n, end = await asyncio.wait_for(got, WAKE)
+        if WRITER_KEPT:
+            assert (n, end) == (total, "EOF")
+        else:
+            assert n < total
+    finally:
+        server.close()
+        for task in tasks:
+            task.cancel()
+        for transport in transports:
+            transport.abort()  # (kept open half-closed, as asyncio's)
+    await asyncio.wait_for(server.wait_closed(), WAKE)
 
 
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
