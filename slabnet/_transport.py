@@ -75,6 +75,7 @@ import enum
 import functools
 import logging
 import os
+import socket
 import ssl
 import weakref
 from asyncio import base_events as asyncio_base_events
@@ -604,7 +605,7 @@ class SlabTransport(WriteGate):
     # is a slot of asyncio's _FlowControlMixin, under WriteGate.)
     __slots__ = (
         "_proto", "_raw", "_pool", "_iterations", "_state", "_closing", "_out", "_fd",
-        "_ino", "_dupfd", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
+        "_ino", "_dup", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
         "_flush_scheduled", "_corked", "_corked_pieces", "_eof_sent", "_error", "_raw_gone",
         "_sent_in", "_outliving",
     )
@@ -622,7 +623,10 @@ class SlabTransport(WriteGate):
         # what it is (its inode), to tell once that transport is closing.
         self._fd: int = raw.get_extra_info("socket").fileno()
         self._ino = os.fstat(self._fd).st_ino
-        self._dupfd = -1  # ours, only while the queue waits (or outlives raw)
+        # Ours, only while the queue waits (or outlives raw): a socket object,
+        # so that a connection left waiting when its loop ends (the loop
+        # closed, the transport collected) still closes its descriptor.
+        self._dup: socket.socket | None = None
         self._send_open = True  # False once the send side is closed for good
         self._waiting_writable = False
         self._poll: asyncio.TimerHandle | None = None  # EMFILE: polling instead
@@ -985,8 +989,8 @@ class SlabTransport(WriteGate):
         descriptor may be closed already (uvloop) and its number another
         socket's: it is used only while its inode is still this socket's,
         else the connection is lost (-1)."""
-        if self._dupfd >= 0:
-            return self._dupfd
+        if self._dup is not None:
+            return self._dup.fileno()
         if self._raw.is_closing() and not self._fd_is_ours():
             self._abort(ConnectionResetError("the loop closed the connection's descriptor"))
             return -1
@@ -1006,13 +1010,13 @@ class SlabTransport(WriteGate):
         # What waits may be gathered writes: regions of the loop's shared
         # pool, which the other connections' writes fill meanwhile.
         self._out.own_pooled()
-        if self._dupfd < 0 and (not self._raw.is_closing() or self._fd_is_ours()):
+        if self._dup is None and (not self._raw.is_closing() or self._fd_is_ours()):
             try:
-                self._dupfd = os.dup(self._fd)
+                self._dup = socket.socket(fileno=os.dup(self._fd))
             except OSError:  # EMFILE, ENFILE: no descriptor to wait on
                 pass
-        if self._dupfd >= 0:
-            self._loop.add_writer(self._dupfd, self._flush)
+        if self._dup is not None:
+            self._loop.add_writer(self._dup.fileno(), self._flush)
             return
         self._poll = self._loop.call_later(self._poll_delay, self._poll_writable)
 
@@ -1039,11 +1043,12 @@ class SlabTransport(WriteGate):
             else:
                 # (Before the close: epoll forgets a descriptor only while
                 # it is open, and this one shares its socket with the loop's.)
-                self._loop.remove_writer(self._dupfd)
+                assert self._dup is not None
+                self._loop.remove_writer(self._dup.fileno())
         self._poll_delay = _POLL_MIN
-        if self._dupfd >= 0 and (not self._out or not self._send_open):
-            os.close(self._dupfd)
-            self._dupfd = -1
+        if self._dup is not None and (not self._out or not self._send_open):
+            self._dup.close()
+            self._dup = None
 
     def _send_eof(self) -> None:
         """Shut our direction down; raises what the shutdown raises. The
@@ -1076,13 +1081,13 @@ class SlabTransport(WriteGate):
         self._flush()
         if not self._out or not self._send_open:
             return False
-        if self._dupfd < 0:
+        if self._dup is None:
             # Polling: no descriptor was free for a duplicate. Try again now
             # (the loop's is still open until this returns); if there is
             # still none, the queue cannot outlive it and is lost with it.
             self._stop_waiting()
             self._wait_writable()
-            if self._dupfd < 0:
+            if self._dup is None:
                 return False
         self._raw_gone = True
         if self._state is _State.OPEN:

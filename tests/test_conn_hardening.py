@@ -209,10 +209,10 @@ async def test_one_descriptor_per_connection_even_at_the_limit(listener: socket.
         req = writer.write(payload)
         assert req is not None  # the kernel took a part; the rest waits
         tr = writer.transport
-        assert tr._dupfd == -1 and tr._poll is not None  # polling: no descriptor
+        assert tr._dup is None and tr._poll is not None  # polling: no descriptor
         assert await recv_exactly(peer, len(payload), WAKE) == payload
         await asyncio.wait_for(req, WAKE)
-        assert tr._dupfd == -1 and tr._poll is None  # the queue is empty: idle
+        assert tr._dup is None and tr._poll is None  # the queue is empty: idle
         # Blocked and polling again, and then the loop closes its transport
         # (what Server.close_clients() does) once a descriptor is free: the
         # queue takes the duplicate then, and still goes out whole.

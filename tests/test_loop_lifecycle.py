@@ -333,7 +333,7 @@ def socket_fds() -> int:
 
 
 @pytest.mark.parametrize("runner", RUNNERS)
-@pytest.mark.parametrize("case", ["plain", "tls", "handshake", "closing", "starttls"])
+@pytest.mark.parametrize("case", ["plain", "tls", "handshake", "closing", "starttls", "waiting"])
 def test_run_returns_with_connections_open(
     runner: Callable[..., Any], case: str,
     tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
@@ -341,7 +341,9 @@ def test_run_returns_with_connections_open(
     """``asyncio.run()``/``uvloop.run()`` (debug mode) returning while
     slabnet connections are open -- plain, TLS, a client in its handshake,
     one whose close_notify waits for an answer, a server with connected
-    clients, a STARTTLS in progress: nothing is reported by slabnet's code
+    clients, a STARTTLS in progress, a client whose queue waits for a peer
+    that never reads (it waits on a duplicate descriptor of its own, which
+    was never closed): nothing is reported by slabnet's code
     (no exception to the handler, no unraisable exception, no pending
     task destroyed), only ResourceWarnings, and every socket is closed
     once the objects go."""
@@ -349,7 +351,10 @@ def test_run_returns_with_connections_open(
     baseline = socket_fds()
     reports: list[dict[str, Any]] = []
     unraisable: list[Any] = []
-    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    silent = socket.socket()  # accepts, never answers, never reads
+    silent.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)  # (inherited)
+    silent.bind(("127.0.0.1", 0))
+    silent.listen()
     peer: BlockingTLSPeer | None = None
     if case == "closing":
         peer = BlockingTLSPeer(tls_server_context)
@@ -389,6 +394,16 @@ def test_run_returns_with_connections_open(
             await loop.run_in_executor(None, peer.ready)
             writer.close()  # our close_notify: the peer never answers
             kept.append(writer)
+        elif case == "waiting":
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16 * 1024)
+            sock.setblocking(False)
+            await loop.sock_connect(sock, silent.getsockname())
+            reader, writer = await slabnet.open_connection(sock=sock)
+            writer.write(b"x" * (8 << 20))  # far more than both buffers hold
+            await asyncio.sleep(0.05)
+            assert writer.transport.get_write_buffer_size() > 0
+            kept.append((reader, writer))
         elif case == "starttls":
             reader, writer = await slabnet.open_connection(*silent.getsockname())
             kept.append(loop.create_task(writer.start_tls(
