@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The test command: installs what the tests need into .venv, then runs the
 # type check, the benchmark smoke run and the test suite (both loops); then
-# the core, version-sensitive and TLS tests again on Python 3.13, where
-# found on the machine (in its own .venv-3.13). As root, it first installs the
+# the core and version-sensitive tests again on Python 3.12, and those and
+# the TLS tests on 3.13, where found on the machine (each in its own
+# .venv-3.1x). As root, it first installs the
 # Debian packages of the real peers (scripts/_peers.sh). Every test runs
 # under a time limit (pytest-timeout, from the test extra; pyproject.toml).
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
@@ -24,7 +25,7 @@ other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py
              tests/test_suite_parity.py  # CPython 3.12's own stream tests, ported
              tests/test_unix_streams.py  # cleanup_socket, the socket file by version
              tests/test_fuzz_parity.py)  # tuple separators from 3.13
-# On 3.13, the same and the TLS layers' files, where its ssl module and
+# On 3.12 those; on 3.13, the same and the TLS layers' files, where its ssl module and
 # timing meet the TLS code (the whole suite runs on 3.11; CI stays under 20
 # minutes so).
 newest_tests=("${other_tests[@]}" tests/test_tls_streams.py tests/test_tls_parity.py
@@ -32,7 +33,7 @@ newest_tests=("${other_tests[@]}" tests/test_tls_streams.py tests/test_tls_parit
               tests/test_starttls_hardening.py  # asyncio's SSLProtocol over slabnet
               tests/test_record_shapes.py tests/test_transport_api.py
               tests/test_limits_audit.py)  # close_clients()/abort_clients() from 3.13
-for minor in 3.13; do
+for minor in 3.12 3.13; do
     py=""
     if command -v pyenv >/dev/null; then
         version=$(pyenv versions --bare 2>/dev/null | grep -E "^${minor//./\\.}\.[0-9]+$" | tail -n 1 || true)
@@ -51,6 +52,7 @@ for minor in 3.13; do
         "$venv/bin/python" -m pip install -q -e ".[test]"
         touch "$venv/.slabnet-installed"
     fi
-    echo "== pytest on Python $minor: ${newest_tests[*]}"
-    "$venv/bin/python" -m pytest -q "${newest_tests[@]}"
+    if [ "$minor" = 3.13 ]; then tests=("${newest_tests[@]}"); else tests=("${other_tests[@]}"); fi
+    echo "== pytest on Python $minor: ${tests[*]}"
+    "$venv/bin/python" -m pytest -q "${tests[@]}"
 done
