@@ -1110,6 +1110,9 @@ def _ssl_args(
     ssl_handshake_timeout: float | None,
     ssl_shutdown_timeout: float | None,
 ) -> tuple[_ssl.SSLContext | None, str | None]:
+    if server_side and isinstance(ssl, bool):
+        # (asyncio's words; False too: a server's ssl is a context or None.)
+        raise TypeError("ssl argument must be an SSLContext or None")
     if not ssl:
         if server_hostname is not None:
             raise ValueError("server_hostname is only meaningful with ssl")
@@ -1121,14 +1124,13 @@ def _ssl_args(
     # Before connecting (asyncio checks in its SSL protocol, after).
     check_ssl_timeout("ssl_handshake_timeout", ssl_handshake_timeout, 0.0)
     check_ssl_timeout("ssl_shutdown_timeout", ssl_shutdown_timeout, 0.0)
-    if ssl is True:
-        if server_side:
-            raise ValueError("start_server(ssl=True) needs an SSLContext with a certificate")
-        ctx = _ssl.create_default_context()
-    elif isinstance(ssl, _ssl.SSLContext):
+    if isinstance(ssl, _ssl.SSLContext):
         ctx = ssl
+    elif ssl is True:  # (a client's only: see above)
+        ctx = _ssl.create_default_context()
     else:
-        raise TypeError(f"ssl must be an ssl.SSLContext, True or None, not {type(ssl).__name__}")
+        allowed = "an ssl.SSLContext or None" if server_side else "an ssl.SSLContext, True or None"
+        raise TypeError(f"ssl must be {allowed}, not {type(ssl).__name__}")
     if server_side:
         return ctx, None
     if server_hostname is None:

@@ -315,3 +315,37 @@ async def test_server_serves_again_once_descriptors_free_up(
         await proc.wait()
         follower.cancel()
         await asyncio.gather(follower, return_exceptions=True)
+
+
+# ---------------------------------------------------------- the ssl argument
+
+
+@pytest.mark.parametrize("unix", [False, True], ids=["tcp", "unix"])
+@pytest.mark.parametrize("value", [True, False], ids=["True", "False"])
+@pytest.mark.asyncio
+async def test_a_bool_ssl_for_a_server_is_refused_as_asyncio(
+    value: bool, unix: bool, tmp_path: Path
+) -> None:
+    """A server's ``ssl`` is a context or None. ``ssl=True`` raised
+    ValueError (asyncio: TypeError), and ``ssl=False`` started a plain
+    server where asyncio refuses it, so a wrong config value went unseen."""
+
+    async def handler(reader: Any, writer: Any) -> None:
+        writer.close()
+
+    seen = {}
+    for name, mod in (("slabnet", slabnet), ("asyncio", asyncio)):
+        try:
+            if unix:
+                server = await mod.start_unix_server(handler, str(tmp_path / name), ssl=value)
+            else:
+                server = await mod.start_server(handler, "127.0.0.1", 0, ssl=value)
+        except Exception as exc:  # the comparison is the test
+            seen[name] = (type(exc).__name__, str(exc))
+        else:
+            server.close()
+            await server.wait_closed()
+            seen[name] = ("started", "")
+    assert seen["slabnet"] == seen["asyncio"] == (
+        "TypeError", "ssl argument must be an SSLContext or None"
+    )
