@@ -109,11 +109,11 @@ ANSWERS_MAX: Final = 16 * 1024
 #: held is sent, this much per record is not counted as answers.
 RECORD_OVERHEAD_MAX: Final = 128
 
-#: The names get_extra_info answers from the engine, not from the socket.
 #: What ``prepare`` makes the engine from: the context, server_side, the
 #: server hostname, ragged EOF, the session.
 _EngineArgs = tuple[ssl.SSLContext, bool, "str | None", bool, "ssl.SSLSession | None"]
 
+#: The names get_extra_info answers from the engine, not from the socket.
 _TLS_EXTRA: Final = frozenset(
     {"ssl_object", "peercert", "cipher", "compression", "sslcontext", "peercert_bin",
      # TLSEngine.get_extra_info's own names, beyond asyncio's

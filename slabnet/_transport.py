@@ -104,8 +104,8 @@ log = logging.getLogger("slabnet")
 
 #: asyncio's FlowControlMixin default high-water mark; low is a quarter.
 DEFAULT_HIGH_WATER: Final = 64 * 1024
-# low for the default high-water marks (this one, and the TLS layer's
-# 256 KiB read limit), one int object for every connection: see flow_limits.
+# The low-water marks of the default high ones (this, and the TLS layer's
+# 256 KiB read limit): one int object that every connection shares.
 _QUARTERS: Final = {high: high // 4 for high in (DEFAULT_HIGH_WATER, 256 * 1024)}
 
 #: Small writes gathered in the pool go out at the end of the loop iteration,
@@ -1012,9 +1012,15 @@ class SlabTransport(WriteGate):
         self._out.own_pooled()
         if self._dup is None and (not self._raw.is_closing() or self._fd_is_ours()):
             try:
-                self._dup = socket.socket(fileno=os.dup(self._fd))
+                fd = os.dup(self._fd)
             except OSError:  # EMFILE, ENFILE: no descriptor to wait on
                 pass
+            else:
+                try:
+                    self._dup = socket.socket(fileno=fd)
+                except BaseException:
+                    os.close(fd)
+                    raise
         if self._dup is not None:
             self._loop.add_writer(self._dup.fileno(), self._flush)
             return
