@@ -70,9 +70,11 @@ the destination's session runs inside the proxy's, as asyncio's does.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import select
+import socket
 import ssl
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Final, NoReturn
 
 import httpcore
@@ -251,14 +253,14 @@ class SlabnetBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
     ) -> SlabnetStream:
-        kwds: dict[str, Any] = {}
-        if local_address is not None:
-            kwds["local_addr"] = (local_address, 0)
         try:
             async with asyncio.timeout(timeout):
-                reader, writer = await slabnet.open_connection(
-                    host, port, limit=self._limit, **kwds
-                )
+                sock = await _connect_racing(host, port, local_address)
+                try:
+                    reader, writer = await slabnet.open_connection(sock=sock, limit=self._limit)
+                except BaseException:
+                    sock.close()
+                    raise
         except OSError as exc:  # TimeoutError included
             _raise_connect_error(exc)
         return await self._stream(reader, writer, socket_options)
@@ -294,6 +296,81 @@ class SlabnetBackend(httpcore.AsyncNetworkBackend):
                 await stream.aclose()
                 raise httpcore.ConnectError(exc) from exc
         return stream
+
+
+#: RFC 8305's Connection Attempt Delay (250 ms), httpcore's anyio backend's.
+ATTEMPT_DELAY: Final = 0.25
+
+
+async def _connect_racing(
+    host: str, port: int, local_address: str | None, delay: float = ATTEMPT_DELAY,
+    resolve: Callable[..., Awaitable[list[Any]]] | None = None,
+) -> socket.socket:
+    """A socket connected to ``host``: its addresses, families interleaved,
+    tried one more every ``delay`` seconds, or at once when the last one
+    tried fails, until one connects (RFC 8305's Happy Eyeballs, as
+    httpcore's anyio backend connects). Neither loop's ``create_connection``
+    does that here: uvloop takes no ``happy_eyeballs_delay``, and without it
+    an address that drops SYNs (a broken IPv6 route) takes the whole
+    timeout. Attempts still running when one wins, or when the caller is
+    cancelled, close their sockets themselves. ``resolve``: the loop's
+    ``getaddrinfo`` unless given."""
+    loop = asyncio.get_running_loop()
+    resolve = resolve or loop.getaddrinfo
+    infos = _interleaved(await resolve(host, port, type=socket.SOCK_STREAM))
+    errors: list[BaseException] = []
+    running: set[asyncio.Task[socket.socket]] = set()
+    try:
+        while infos or running:
+            if infos:
+                family, type_, proto, _, address = infos.pop(0)
+                running.add(loop.create_task(
+                    _attempt(loop, family, type_, proto, address, local_address)))
+            done, _ = await asyncio.wait(
+                running, timeout=delay if infos else None, return_when=asyncio.FIRST_COMPLETED
+            )
+            for task in done:
+                running.discard(task)
+                exc = task.exception()
+                if exc is None:
+                    return task.result()  # (any other winner: closed below)
+                errors.append(exc)
+    finally:
+        for task in running:
+            if task.done() and not task.cancelled() and task.exception() is None:
+                task.result().close()
+            else:
+                task.cancel()
+    if len(errors) == 1:
+        raise errors[0]
+    reasons = "; ".join(map(str, errors)) or "no address"
+    raise OSError(f"could not connect to {host}:{port}: {reasons}")
+
+
+def _interleaved(infos: list[Any]) -> list[Any]:
+    """``getaddrinfo``'s answers, alternating families from the first's on."""
+    first = [info for info in infos if info[0] == infos[0][0]] if infos else []
+    other = [info for info in infos if info[0] != infos[0][0]] if infos else []
+    out: list[Any] = []
+    for pair in itertools.zip_longest(first, other):
+        out.extend(info for info in pair if info is not None)
+    return out
+
+
+async def _attempt(
+    loop: asyncio.AbstractEventLoop, family: int, type_: int, proto: int,
+    address: Any, local_address: str | None,
+) -> socket.socket:
+    sock = socket.socket(family, type_, proto)
+    try:
+        sock.setblocking(False)
+        if local_address is not None:
+            sock.bind((local_address, 0))
+        await loop.sock_connect(sock, address)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _raise_connect_error(exc: OSError) -> NoReturn:
