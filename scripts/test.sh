@@ -31,7 +31,7 @@ other_tests=(tests/test_slab.py tests/test_streams.py tests/test_write.py
 newest_tests=("${other_tests[@]}" tests/test_tls_streams.py tests/test_tls_parity.py
               tests/test_tls_hardening.py tests/test_tls_audit.py tests/test_tls_in_tls.py
               tests/test_starttls_hardening.py  # asyncio's SSLProtocol over slabnet
-              tests/test_record_shapes.py tests/test_transport_api.py
+              tests/test_record_shapes.py tests/test_transport_api.py tests/test_tls_pause.py
               tests/test_limits_audit.py)  # close_clients()/abort_clients() from 3.13
 for minor in 3.12 3.13; do
     py=""

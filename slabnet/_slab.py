@@ -108,7 +108,7 @@ READ_SIZES: Final = tuple(1024 << i for i in range(9))
 #: --filter tls_s2c``: 128 KiB cut client CPU per GiB by about 7 % against
 #: 64 KiB; 256 KiB cut it by another 1-2 % at 1 KiB records and 4-8 % at
 #: 16 KiB (fewer reads: less kernel work per byte), once a whole read is
-#: delivered even when the app pauses during it (see SlabTransport).
+#: delivered to a stream even when it pauses during it (see TLSTransport).
 LEND_SIZE: Final = 4 * DEFAULT_SLAB_SIZE
 
 #: Free slabs an idle ReadSlab keeps: four 64 KiB slabs, what the loop kept

@@ -823,6 +823,10 @@ def _literal(sep: bytes) -> re.Pattern[bytes]:
 class _StreamProtocol(ChunkProtocol):
     """Feeds a StreamReader; the asyncio StreamReaderProtocol's counterpart."""
 
+    #: Over TLS, a read's chunks are all buffered even if reading pauses
+    #: during them (TLSTransport.set_protocol): one read past the limit.
+    takes_whole_reads: Final = True
+
     __slots__ = (
         "_loop", "_reader", "_client_connected_cb", "_transport", "_task", "_closed",
         "_paused", "_drain_waiters", "_connection_lost", "_lost_error", "_over_ssl", "_writer",

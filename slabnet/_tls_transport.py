@@ -21,10 +21,13 @@ valid only during ``chunk_received``. The engine takes it into its BIO by
 pieces while it decrypts and copies the rest before the call returns
 (``lend_data``/``release_lent``), so ciphertext never pins a slab. The
 decrypted chunks -- coalesced records, each in a buffer of its own exact
-size -- go to the app. A whole read is delivered even if the app pauses
-reading during it (as asyncio's SSL transport does); pausing pauses the
-plain connection, whose next read takes in at most 1 KiB, holds it and
-pauses the socket, so the engine's BIO never grows while the app is paused.
+size -- go to the app. An app that pauses reading gets nothing more until
+it resumes, as from asyncio's transports (the rest of the read waits in the
+engine); slabnet's streams, which buffer what comes, and a TLS layer inside
+this one take a whole read even if they pause during it
+(``takes_whole_reads``). Pausing pauses the plain connection, whose next
+read takes in at most 1 KiB, holds it and pauses the socket, so the
+engine's BIO never grows while the app is paused.
 
 Writes. A connection's first write of a loop iteration, or its first after
 a read, is encrypted and sent at once (one record). The plaintext written
@@ -159,7 +162,7 @@ class TLSTransport(WriteGate):
     # table among the instance dicts of a class while they hold at most 30
     # keys; one more made each dict 1.3 KiB larger. The attributes added
     # last are slots instead.
-    __slots__ = ("_iterations", "_sent_in", "_held_plain", "__dict__", "__weakref__")
+    __slots__ = ("_iterations", "_sent_in", "_held_plain", "_whole_reads", "__dict__", "__weakref__")
 
     #: To the plain connection: ciphertext is copied into the engine before
     #: chunk_received returns.
@@ -297,12 +300,14 @@ class TLSTransport(WriteGate):
             return  # set-up failed: the connection is being aborted
         if self._stage is not _Stage.HANDSHAKE:
             self._sent_in = _AFTER_READ
-            # A whole read is delivered even if the app pauses during it.
-            self._pump(not self._reading_paused, False, data)
+            # A whole read, to an app that takes one even if it pauses
+            # during it (see set_protocol).
+            self._pump(self._whole_reads and not self._reading_paused, False, data)
             return
         # The read that completes the handshake may carry a burst of data
         # behind it: it goes into the BIO by pieces like every other read,
-        # and what the handshake leaves of it is delivered whole. Whatever
+        # and what the handshake leaves of it is delivered (whole, to an app
+        # that takes whole reads; else until the app pauses). Whatever
         # is left, not only what is still ciphertext: the engine may hold
         # the end of it already (the peer's close_notify, taken in with
         # the record before it), which no later read would bring.
@@ -311,7 +316,7 @@ class TLSTransport(WriteGate):
             self._handshake()
             stage: _Stage = self._stage  # (changed by the handshake)
             if stage is _Stage.READY:
-                self._pump(True)
+                self._pump(self._whole_reads)
         finally:
             engine.release_lent()
 
@@ -441,6 +446,12 @@ class TLSTransport(WriteGate):
         deliver, _ = chunk_deliverer(protocol, self)
         self._app = protocol
         self._deliver = deliver
+        # Whether the app takes every chunk of a read even once it has
+        # paused reading meanwhile (slabnet's streams buffer them). Any
+        # other gets none after its pause: the rest waits for its resume,
+        # as asyncio's transports call no data_received() while paused
+        # (the app may hand the connection over with set_protocol()).
+        self._whole_reads = bool(getattr(protocol, "takes_whole_reads", False))
         if self._sendfile_swap(protocol):
             self.resume_reading()
 
@@ -456,6 +467,7 @@ class TLSTransport(WriteGate):
     def _carry(self, tls: TLSTransport) -> None:
         self._app = tls  # (the app is the inner layer's from now on)
         self._deliver = tls.chunk_received
+        self._whole_reads = True  # (ciphertext, into the inner engine)
 
     def track(self, req: WriteRequest) -> None:
         """Complete ``req`` once every byte written so far has been sent
