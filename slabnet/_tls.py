@@ -964,9 +964,11 @@ class TLSEngine:
 
     @property
     def plaintext_waiting(self) -> bool:
-        """True if decrypted bytes wait for read_chunk without any new input
-        (a write decrypted them first, see ``_read_ahead``)."""
-        return bool(self._held)
+        """True if decrypted bytes wait for read_chunk without any new input:
+        a write decrypted them first (see ``_read_ahead``), or OpenSSL holds
+        the rest of a record a batch read into (a read that stopped when
+        the app paused)."""
+        return bool(self._held) or self.ssl_object.pending() > 0
 
     # -- the SSLObject choke point ------------------------------------------
 

@@ -653,17 +653,16 @@ async def test_write_side_ssl_error_in_the_flush_ends_the_connection(
 async def test_plaintext_openssl_holds_when_paused_is_delivered(
     listener: socket.socket, server_cert: Any, tls_ca: Any
 ) -> None:
-    # Item 18, disproved: can plaintext be stranded when the app pauses while
-    # OpenSSL holds decrypted bytes and the incoming BIO is empty (so
-    # resume_reading() sees no buffered ciphertext and schedules nothing)?
-    # TLS 1.3: the server's session tickets and a full 16 KiB data record
-    # arrive in one read. The engine plans a batch of the ticket records
-    # (they look like data); reading them, OpenSSL goes on into the data
-    # record and keeps what did not fit. The app pauses on that first chunk:
-    # exactly that state. But a read is delivered whole even if the app
-    # pauses during it, so the rest comes in the same callback. (Pumps that
-    # stop on a pause only see the 1 KiB a paused read takes in, which
-    # cannot hold a record too large for the batch.)
+    # Item 18: can plaintext be stranded when the app pauses while OpenSSL
+    # holds decrypted bytes and the incoming BIO is empty (so
+    # resume_reading() sees no buffered ciphertext)? TLS 1.3: the server's
+    # session tickets and a full 16 KiB data record arrive in one read. The
+    # engine plans a batch of the ticket records (they look like data);
+    # reading them, OpenSSL goes on into the data record and keeps what did
+    # not fit. The app pauses on that first chunk: exactly that state. An
+    # app gets nothing after its pause (tests/test_tls_pause.py), so the
+    # rest waits in OpenSSL, and the resume must deliver it: the engine's
+    # plaintext_waiting counts what OpenSSL holds.
     data = os.urandom(16384)
     loop = asyncio.get_running_loop()
     done = loop.create_future()
