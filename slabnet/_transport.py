@@ -105,7 +105,8 @@ log = logging.getLogger("slabnet")
 #: asyncio's FlowControlMixin default high-water mark; low is a quarter.
 DEFAULT_HIGH_WATER: Final = 64 * 1024
 # The low-water marks of the default high ones (this, and the TLS layer's
-# 256 KiB read limit): one int object that every connection shares.
+# 256 KiB read limit): one int object that every connection shares, where
+# an int above 256 computed anew is an object of its own per connection.
 _QUARTERS: Final = {high: high // 4 for high in (DEFAULT_HIGH_WATER, 256 * 1024)}
 
 #: Small writes gathered in the pool go out at the end of the loop iteration,
@@ -271,9 +272,7 @@ def flow_limits(high: int | None, low: int | None, default_high: int) -> tuple[i
     if high is None:
         high = default_high if low is None else 4 * low
     if low is None:
-        # (The defaults' quarters are shared: an int above 256 computed
-        # anew is an object of its own, on every connection.)
-        low = _QUARTERS.get(high)
+        low = _QUARTERS.get(high)  # (a shared int for the defaults)
         if low is None:
             low = high // 4
     if not high >= low >= 0:

@@ -349,8 +349,11 @@ async def _connect_racing(
 
 def _interleaved(infos: list[Any]) -> list[Any]:
     """``getaddrinfo``'s answers, alternating families from the first's on."""
-    first = [info for info in infos if info[0] == infos[0][0]] if infos else []
-    other = [info for info in infos if info[0] != infos[0][0]] if infos else []
+    if not infos:
+        return []
+    family = infos[0][0]
+    first = [info for info in infos if info[0] == family]
+    other = [info for info in infos if info[0] != family]
     out: list[Any] = []
     for pair in itertools.zip_longest(first, other):
         out.extend(info for info in pair if info is not None)
