@@ -37,7 +37,16 @@ sends a header one byte at a time costs linear time, not quadratic.
 
 Errors and EOF never overtake data: a reader whose connection broke hands
 out every byte that arrived before the error, then raises it. (asyncio
-raises a stored exception at once, even with data buffered.)
+raises a stored exception at once, even with data buffered.) A call that
+asks for a whole unit -- ``read()`` to EOF, ``readexactly(n)``, a
+``readuntil``/``readline`` whose separator has not arrived -- is the
+exception to the order: the error means the unit will never be complete,
+so it raises the error, as asyncio's does, and the bytes stay buffered,
+where ``read(n)``, ``read_chunk()`` and ``readinto`` still hand them out.
+Were the bytes returned instead, a body read to EOF over a connection that
+was reset, or over TLS that was truncated with ``ssl_ragged_eof=False``,
+would look complete (the error would come only from a next call that a
+read to EOF never makes).
 
 Cancellation never loses bytes: every read consumes only after its last
 await, and a cancelled ``read()`` (to EOF) puts back what it had gathered,
@@ -639,10 +648,8 @@ class StreamReader:
                 if run is not None:
                     parts.append(memoryview(run).toreadonly())
                 if parts:
-                    if exc is self._exception:
-                        # The data first; the stored error on the next call.
-                        return b"".join(parts)
-                    # Cancelled (or misused): every byte stays buffered.
+                    # The error (a whole unit: see the module docstring),
+                    # or cancelled or misused: every byte stays buffered.
                     self._unread(parts)
                 raise
             if run is not None:
@@ -661,9 +668,9 @@ class StreamReader:
             self._raise_if_drained()
             return b""
         while self._size < n:
-            self._raise_if_drained()
-            if self._eof or self._exception is not None:
-                # What arrived before EOF or the error comes out as partial.
+            if self._exception is not None:
+                raise self._exception  # (a whole unit: the bytes stay buffered)
+            if self._eof:
                 partial = self._take(self._size) if self._size else b""
                 raise asyncio.IncompleteReadError(partial, n)
             await self._wait_for_data("readexactly")
@@ -747,8 +754,9 @@ class StreamReader:
                     raise asyncio.LimitOverrunError(
                         "Separator is not found, and chunk exceed the limit", offset
                     )
-            if self._eof or self._exception is not None:
-                self._raise_if_drained()
+            if self._exception is not None:
+                raise self._exception  # (a whole unit: the bytes stay buffered)
+            if self._eof:
                 chunk = self._take(self._size) if self._size else b""
                 raise asyncio.IncompleteReadError(chunk, None)
             await self._wait_for_data("readuntil")

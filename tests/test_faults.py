@@ -296,6 +296,48 @@ async def test_record_longer_than_allowed_after_data(
     await task
 
 
+@pytest.mark.parametrize("op", ["read", "readexactly", "readline"])
+@pytest.mark.asyncio
+async def test_a_truncated_body_read_whole_is_an_error_with_strict_eof(
+    server_cert: Any, tls_ca: Any, op: str
+) -> None:
+    """With ``ssl_ragged_eof=False`` a FIN without close_notify is an
+    attack or a crash, not the end of the body: ``read()`` to EOF,
+    ``readexactly`` and ``readline`` of a unit it cut raise
+    ``TLSTruncatedError``, and the bytes before it stay for ``read(n)``.
+    (``read()`` returned them as a complete body and ``readexactly``
+    raised ``IncompleteReadError``, as for a clean end.)"""
+    result: asyncio.Future[tuple[BaseException, bytes]] = asyncio.get_running_loop().create_future()
+
+    async def handle(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        try:
+            if op == "read":
+                await reader.read()
+            elif op == "readexactly":
+                await reader.readexactly(20_000)
+            else:
+                await reader.readline()
+        except Exception as exc:
+            result.set_result((exc, await reader.read(100_000)))
+        else:
+            result.set_exception(AssertionError(f"{op}() did not raise"))
+        writer.close()
+
+    server = await slabnet.start_server(handle, "127.0.0.1", 0, ssl=server_ctx(server_cert),
+                                        ssl_ragged_eof=False)
+    try:
+        tls = await _raw_client(server.sockets[0].getsockname()[1], tls_ca)
+        await tls.send(tls.seal(b"y" * 10_000))
+        tls.sock.shutdown(socket.SHUT_WR)
+        exc, rest = await asyncio.wait_for(result, WAKE)
+        assert isinstance(exc, slabnet.TLSTruncatedError), repr(exc)
+        assert rest == b"y" * 10_000
+        await tls.linger()
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def _raw_client(port: int, ca: Any, version: ssl.TLSVersion | None = None) -> RawTLS:
     sock = socket.create_connection(("127.0.0.1", port))
     tls = RawTLS(sock, client_ctx(ca, version), server_side=False, server_hostname="localhost")
@@ -665,8 +707,11 @@ async def test_many_failed_connections_leak_nothing(listener: socket.socket, tls
 
 
 @pytest.mark.asyncio
-async def test_read_all_returns_the_data_before_a_reset_then_raises() -> None:
-    """read(-1) hands over what arrived, then raises the stored error."""
+async def test_read_all_raises_a_reset_and_keeps_the_data_before_it() -> None:
+    """read(-1) asks for everything up to EOF: a reset means that never
+    comes, so it raises the error, as asyncio's; what arrived before it
+    stays buffered, where read(n) returns it, then the error again.
+    (It returned the bytes as if the peer had ended the stream.)"""
     loop = asyncio.get_running_loop()
     sent: asyncio.Future[None] = loop.create_future()
 
@@ -689,8 +734,11 @@ async def test_read_all_returns_the_data_before_a_reset_then_raises() -> None:
     await sent
     await thread_done
     listener.close()
-    got = await asyncio.wait_for(reader.read(), 10)
-    assert got == b"before-the-reset"
     with pytest.raises(ConnectionResetError):
         await asyncio.wait_for(reader.read(), 10)
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(reader.readexactly(100), 10)
+    assert await asyncio.wait_for(reader.read(100), 10) == b"before-the-reset"
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(reader.read(100), 10)
     writer.close()

@@ -405,7 +405,8 @@ async def test_peer_closing_with_unread_data(sockdir: str) -> None:
     """A Unix peer that closes with our bytes unread resets the connection
     (ECONNRESET), like TCP's RST: slabnet hands out what the peer sent
     before it, then raises the reset (asyncio raises at once; README,
-    "Data before errors"); the writer's wait_closed() raises it too, as
+    "Data before errors") -- to read(n): read() to EOF raises it, as the
+    stream never ended; the writer's wait_closed() raises it too, as
     asyncio's."""
     ours, theirs = socket.socketpair()
     reader, writer = await slabnet.open_connection(sock=ours)
@@ -414,9 +415,11 @@ async def test_peer_closing_with_unread_data(sockdir: str) -> None:
     await until_readable(theirs)  # (slabnet sends a small write at the end of the iteration)
     theirs.sendall(b"bye")
     theirs.close()
-    assert await asyncio.wait_for(reader.read(), WAIT) == b"bye"
     with pytest.raises(ConnectionResetError):
         await asyncio.wait_for(reader.read(), WAIT)
+    assert await asyncio.wait_for(reader.read(100), WAIT) == b"bye"
+    with pytest.raises(ConnectionResetError):
+        await asyncio.wait_for(reader.read(100), WAIT)
     writer.close()
     with pytest.raises(ConnectionResetError):
         await asyncio.wait_for(writer.wait_closed(), WAIT)
