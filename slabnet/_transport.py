@@ -75,7 +75,6 @@ import enum
 import functools
 import logging
 import os
-import socket
 import ssl
 import weakref
 from asyncio import base_events as asyncio_base_events
@@ -593,6 +592,29 @@ class _OutlivingClient:
         self._server._detach(self)
 
 
+class _Duplicate:
+    """A descriptor of slabnet's own for a connection's socket (``os.dup``):
+    closed by ``close()`` or, for a connection its loop left behind, when it
+    is collected -- silently, unlike a ``socket.socket``: the user never
+    made it, and the loop's transport warns of the connection itself."""
+
+    __slots__ = ("fd",)
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class SlabTransport(WriteGate):
     """The transport of a plain connection. Made by ``SlabProtocol``."""
 
@@ -606,7 +628,7 @@ class SlabTransport(WriteGate):
         "_proto", "_raw", "_pool", "_iterations", "_state", "_closing", "_out", "_fd",
         "_ino", "_dup", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
         "_flush_scheduled", "_corked", "_corked_pieces", "_eof_sent", "_error", "_raw_gone",
-        "_sent_in", "_outliving",
+        "_sent_in", "_outliving", "__weakref__",  # (as the loops' transports)
     )
 
     def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, res: _LoopResources) -> None:
@@ -622,10 +644,11 @@ class SlabTransport(WriteGate):
         # what it is (its inode), to tell once that transport is closing.
         self._fd: int = raw.get_extra_info("socket").fileno()
         self._ino = os.fstat(self._fd).st_ino
-        # Ours, only while the queue waits (or outlives raw): a socket object,
-        # so that a connection left waiting when its loop ends (the loop
-        # closed, the transport collected) still closes its descriptor.
-        self._dup: socket.socket | None = None
+        # Ours, only while the queue waits (or outlives raw): an object that
+        # closes it when collected, so that a connection left waiting when
+        # its loop ends (the loop closed, the transport collected) still
+        # closes its descriptor.
+        self._dup: _Duplicate | None = None
         self._send_open = True  # False once the send side is closed for good
         self._waiting_writable = False
         self._poll: asyncio.TimerHandle | None = None  # EMFILE: polling instead
@@ -651,7 +674,10 @@ class SlabTransport(WriteGate):
         self._closing = new is not _State.OPEN
 
     def is_closing(self) -> bool:
-        return self._closing
+        # (Also once the loop's transport closes of its own accord: it read
+        # a reset, say, and its connection_lost is on its way; a drain()
+        # then waits for it and raises, as over the loop's transport.)
+        return self._closing or self._raw.is_closing()
 
     def _writes_closed(self) -> bool:
         return self._closing or not self._send_open
@@ -773,7 +799,7 @@ class SlabTransport(WriteGate):
         except _SEND_RETRY:
             sent = 0
         except OSError as exc:
-            self._abort(untraced(exc))  # (its frame holds `views`: the caller's data)
+            self._send_failed(untraced(exc))  # (its frame holds `views`: the caller's data)
             return None
         out = self._out
         out.passed(sent)
@@ -915,6 +941,20 @@ class SlabTransport(WriteGate):
             return
         self._raw.abort()
 
+    def _send_failed(self, exc: BaseException) -> None:
+        """A send raised ``exc``. While the loop's transport is closing of
+        its own accord, it has read how the connection ended -- a reset,
+        most often, after which the kernel refuses sends with EPIPE -- and
+        its ``connection_lost``, on its way, says so: the send side closes
+        and that error, not the send's, ends the writes and the reads, as
+        it does asyncio's. (On uvloop a reset read first left every waiter
+        with ``BrokenPipeError``.) Otherwise the send's error ends the
+        connection."""
+        if self._raw.is_closing() and not self._raw_gone:
+            self._close_sock()
+            return
+        self._abort(exc)
+
     def _maybe_close_raw(self) -> None:
         # CLOSING and nothing left to send: hand the close to the loop.
         if self._out:
@@ -956,7 +996,7 @@ class SlabTransport(WriteGate):
                 try:
                     self._send_eof()
                 except OSError as exc:  # (no caller to raise it to)
-                    self._abort(untraced(exc))
+                    self._send_failed(untraced(exc))
             if self._state is _State.CLOSING:
                 self._maybe_close_raw()
 
@@ -976,7 +1016,7 @@ class SlabTransport(WriteGate):
             except Exception as exc:
                 # (Any failure: a buffer the kernel refuses would otherwise
                 # stay at the head of the queue, and the connection hang.)
-                self._abort(untraced(exc))  # (its frame holds `bufs`: the queue)
+                self._send_failed(untraced(exc))  # (its frame holds `bufs`: the queue)
                 return False
             if out.sent(sent) or sent < sum(b.nbytes for b in bufs):
                 break
@@ -1015,11 +1055,7 @@ class SlabTransport(WriteGate):
             except OSError:  # EMFILE, ENFILE: no descriptor to wait on
                 pass
             else:
-                try:
-                    self._dup = socket.socket(fileno=fd)
-                except BaseException:
-                    os.close(fd)
-                    raise
+                self._dup = _Duplicate(fd)
         if self._dup is not None:
             self._loop.add_writer(self._dup.fileno(), self._flush)
             return

@@ -343,7 +343,8 @@ def test_run_returns_with_connections_open(
     one whose close_notify waits for an answer, a server with connected
     clients, a STARTTLS in progress, a client whose queue waits for a peer
     that never reads (it waits on a duplicate descriptor of its own, which
-    was never closed): nothing is reported by slabnet's code
+    was never closed, then warned of as an unclosed socket the user never
+    made): nothing is reported by slabnet's code
     (no exception to the handler, no unraisable exception, no pending
     task destroyed), only ResourceWarnings, and every socket is closed
     once the objects go."""
@@ -356,6 +357,7 @@ def test_run_returns_with_connections_open(
     silent.bind(("127.0.0.1", 0))
     silent.listen()
     peer: BlockingTLSPeer | None = None
+    duplicate: list[int] = []  # the descriptor of the waiting queue
     if case == "closing":
         peer = BlockingTLSPeer(tls_server_context)
 
@@ -403,6 +405,7 @@ def test_run_returns_with_connections_open(
             writer.write(b"x" * (8 << 20))  # far more than both buffers hold
             await asyncio.sleep(0.05)
             assert writer.transport.get_write_buffer_size() > 0
+            duplicate.append(writer.transport._dup.fileno())
             kept.append((reader, writer))
         elif case == "starttls":
             reader, writer = await slabnet.open_connection(*silent.getsockname())
@@ -427,6 +430,8 @@ def test_run_returns_with_connections_open(
     assert [ctx.get("message") for ctx in reports] == []
     assert unraisable == []
     assert {w.category for w in caught} <= {ResourceWarning}, [str(w.message) for w in caught]
+    # (slabnet's own descriptor closes silently: the user never made it.)
+    assert not [w for w in caught for fd in duplicate if f"fd={fd}," in str(w.message)]
     assert socket_fds() <= baseline
 
 

@@ -19,6 +19,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import weakref
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -966,3 +967,17 @@ async def test_lost_transport_still_names_its_peer(tls: bool, tls_ca: Any, serve
         assert t.get_extra_info("socket").fileno() == -1
         if tls:
             assert t.get_extra_info("cipher") is not None  # the session's, as asyncio's
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_a_transport_can_be_weakly_referenced(
+    tls: bool, tls_ca: Any, server_cert: Any
+) -> None:
+    """A server that tracks its connections in a ``WeakSet`` of transports
+    works as with the loops' plain transports (slabnet's plain transport
+    refused weak references: ``TypeError``; uvloop's TLS transport does)."""
+    async with stream_pair(slabnet, tls, tls_ca, server_cert) as (r, w, pr, pw):
+        live = weakref.WeakSet([w.transport, pw.transport])
+        assert len(live) == 2
+        assert weakref.ref(w.transport)() is w.transport

@@ -901,3 +901,51 @@ async def test_a_gathered_copy_that_raises_leaves_the_queue_as_it_was() -> None:
     mine.gather(pool, b"new", 3)
     assert b"".join(bytes(b) for b in mine.buffers()) == b"oldnew"
     assert mine.queued == 6
+
+
+# ------------------------------------------------ a reset the loop read first
+
+
+@pytest.mark.parametrize("side", ["client", "server"])
+@pytest.mark.asyncio
+async def test_a_reset_the_loop_read_first_is_a_reset_for_every_waiter(side: str) -> None:
+    """The loop's transport reads the peer's RST and starts closing; its
+    ``connection_lost`` is still queued when the app writes. The kernel
+    refuses that send with EPIPE, but the connection was reset: ``drain()``,
+    ``read()`` and ``wait_closed()`` raise ``ConnectionResetError``, as
+    asyncio's do on both loops. (On uvloop slabnet's own send error won,
+    and all three raised ``BrokenPipeError``.)"""
+    loop = asyncio.get_running_loop()
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen()
+    lsock.setblocking(False)
+    served: asyncio.Future[tuple[Any, Any]] = loop.create_future()
+    server = None
+    try:
+        if side == "client":
+            reader, writer = await slabnet.open_connection(*lsock.getsockname())
+            peer, _ = await loop.sock_accept(lsock)
+        else:
+            server = await slabnet.start_server(
+                lambda r, w: served.set_result((r, w)), sock=lsock
+            )
+            peer = socket.create_connection(lsock.getsockname())
+            reader, writer = await asyncio.wait_for(served, WAKE)
+        hard_close(peer)
+        raw = writer.transport._raw
+        async with asyncio.timeout(WAKE):
+            while not raw.is_closing():  # the loop has read the reset
+                await asyncio.sleep(0)
+            writer.write(b"x" * 200_000)  # (sent at once: large)
+            with pytest.raises(ConnectionResetError):
+                await writer.drain()
+            with pytest.raises(ConnectionResetError):
+                await reader.read()
+            with pytest.raises(ConnectionResetError):
+                await writer.wait_closed()
+    finally:
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+        lsock.close()
