@@ -1070,8 +1070,9 @@ class TLSTransport(WriteGate):
         ``connection_lost`` if the app has seen ``connection_made``. A local
         failure to set the connection up (``setup``: the message) that
         neither would see -- a server's incoming connection -- goes to the
-        loop's exception handler. (A handshake the peer fails is not
-        reported there: asyncio reports those only in debug mode.) Then
+        loop's exception handler; so does the handshake of a server's
+        incoming connection that the peer fails, in debug mode only, as
+        asyncio's loop reports it (with its message). Then
         the plain connection is aborted: the socket closes at once and
         nothing more is read, so nothing is buffered or delivered after
         the failure.
@@ -1082,9 +1083,11 @@ class TLSTransport(WriteGate):
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
             told = True
-        if setup is not None and not told:
+        incoming = waiter is None and not told  # (a server's: no one waits for it)
+        if not told and (setup is not None or (incoming and self._loop.get_debug())):
             self._loop.call_exception_handler({
-                "message": setup, "exception": exc, "protocol": self._app, "transport": self,
+                "message": setup or "Error on transport creation for incoming connection",
+                "exception": exc, "protocol": self._app, "transport": self,
             })
         self._abort(exc)
 

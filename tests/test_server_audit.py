@@ -349,3 +349,44 @@ async def test_a_bool_ssl_for_a_server_is_refused_as_asyncio(
     assert seen["slabnet"] == seen["asyncio"] == (
         "TypeError", "ssl argument must be an SSLContext or None"
     )
+
+
+@pytest.mark.parametrize("debug", [False, True], ids=["quiet", "debug"])
+@pytest.mark.asyncio
+async def test_a_failed_incoming_handshake_is_reported_in_debug_mode_only(
+    debug: bool, server_cert: Any
+) -> None:
+    """A client that sends garbage instead of a ClientHello: no handler
+    ever sees the connection. asyncio's loop tells its exception handler in
+    debug mode (``Error on transport creation for incoming connection``),
+    and stays quiet otherwise; slabnet stayed quiet in debug mode too."""
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    was = loop.get_debug()
+    loop.set_debug(debug)
+    served: list[Any] = []
+    server = await slabnet.start_server(
+        lambda r, w: served.append(w), "127.0.0.1", 0, ssl=server_ctx(server_cert)
+    )
+    try:
+        sock = socket.create_connection(server.sockets[0].getsockname())
+        sock.setblocking(False)
+        try:
+            await loop.sock_sendall(sock, b"GET / HTTP/1.1\r\n\r\n")
+            data, end = await recv_until_closed(sock)  # the server gives up
+        finally:
+            sock.close()
+        await asyncio.sleep(0.01)
+        messages = [c.get("message") for c in handler.contexts]
+        if debug:
+            assert messages == ["Error on transport creation for incoming connection"]
+            assert isinstance(handler.contexts[0]["exception"], ssl.SSLError)
+        else:
+            assert messages == []
+        assert served == []
+    finally:
+        loop.set_debug(was)
+        loop.set_exception_handler(None)
+        server.close()
+        await server.wait_closed()
