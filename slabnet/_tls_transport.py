@@ -310,13 +310,14 @@ class TLSTransport(WriteGate):
         # that takes whole reads; else until the app pauses). Whatever
         # is left, not only what is still ciphertext: the engine may hold
         # the end of it already (the peer's close_notify, taken in with
-        # the record before it), which no later read would bring.
+        # the record before it), which no later read would bring. (The
+        # handshake delivers it: see the end of _handshake.)
         engine.lend_data(data)
         try:
             self._handshake()
             stage: _Stage = self._stage  # (changed by the handshake)
             if stage is _Stage.READY:
-                self._pump(self._whole_reads)
+                self._pump()  # (what the handshake's own delivery left)
         finally:
             engine.release_lent()
 
@@ -894,7 +895,11 @@ class TLSTransport(WriteGate):
             waiter.set_result(None)
         if self._plain:
             self._flush()
-        self._pump()
+        # What the engine holds of the read that completed the handshake:
+        # whole to an app that takes whole reads, unless it paused in
+        # connection_made (a stream's handler that runs there: a plain
+        # function, or an eager task), before this delivery began.
+        self._pump(self._whole_reads and not self._reading_paused)
 
     def _waiter_done(self, waiter: asyncio.Future[None]) -> None:
         # The caller gave up on the handshake (a timeout, a cancelled task):

@@ -172,3 +172,51 @@ async def test_a_pause_in_connection_made_holds_the_data_of_the_handshake_read(
         for app in made:
             app.transport.abort()
         server.close()
+
+
+@pytest.mark.parametrize("impl", ["slabnet", "asyncio"])
+@pytest.mark.asyncio
+async def test_a_stream_handler_that_pauses_at_once_hands_over_the_handshake_read(
+    impl: str, tls_ca: Any, server_cert: Any
+) -> None:
+    """A server's ``client_connected_cb`` that runs inside
+    ``connection_made`` -- a plain function, or a coroutine under an eager
+    task factory (3.12) -- pauses reading and, a moment later, hands the
+    connection to another protocol. The client's Finished and 1 MiB sent at
+    once arrive together: none of it may land in the stream's reader, which
+    nobody reads any more. (slabnet's TLS layer delivered the handshake's
+    read whole to the stream although it had paused before any delivery:
+    up to one read stayed in the old reader.)"""
+    lib = slabnet if impl == "slabnet" else asyncio
+    loop = asyncio.get_running_loop()
+    handed: asyncio.Future[tuple[Any, New]] = loop.create_future()
+    data = DATA[: 1 << 20]
+
+    def handler(reader: Any, writer: Any) -> None:
+        writer.transport.pause_reading()
+
+        def hand_over() -> None:
+            new = New()
+            writer.transport.set_protocol(new)
+            writer.transport.resume_reading()
+            handed.set_result((reader, new))
+
+        loop.call_later(0.1, hand_over)
+
+    server = await lib.start_server(handler, "127.0.0.1", 0, ssl=server_ctx(server_cert))
+    try:
+        _, writer = await asyncio.open_connection(
+            "127.0.0.1", server.sockets[0].getsockname()[1], ssl=client_ctx(tls_ca),
+            server_hostname="localhost",
+        )
+        writer.write(data)
+        await writer.drain()
+        reader, new = await asyncio.wait_for(handed, WAKE)
+        async with asyncio.timeout(WAKE):
+            while len(new.got) < len(data):
+                await asyncio.sleep(0.01)
+        assert reader._buffer == b""
+        assert hashlib.sha256(new.got).digest() == hashlib.sha256(data).digest()
+        writer.close()
+    finally:
+        server.close()
