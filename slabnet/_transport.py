@@ -628,7 +628,7 @@ class SlabTransport(WriteGate):
         "_proto", "_raw", "_pool", "_iterations", "_state", "_closing", "_out", "_fd",
         "_ino", "_dup", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
         "_flush_scheduled", "_corked", "_corked_pieces", "_eof_sent", "_error", "_raw_gone",
-        "_sent_in", "_outliving", "__weakref__",  # (as the loops' transports)
+        "_sent_in", "_outliving", "_send_deferred", "__weakref__",  # (as the loops' transports)
     )
 
     def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, res: _LoopResources) -> None:
@@ -662,6 +662,7 @@ class SlabTransport(WriteGate):
         self._eof_sent = False
         self._error: BaseException | None = None
         self._raw_gone = False  # the loop closed its transport with bytes queued
+        self._send_deferred = False  # _error is a send's, made while raw closed (_send_failed)
         self._outliving: _OutlivingClient | None = None  # in its Server's clients meanwhile
         self._init_gate()
 
@@ -841,10 +842,10 @@ class SlabTransport(WriteGate):
         (for a layer above that made ``req`` for bytes of its own), or fail
         it with the error that dropped them."""
         out = self._out
-        if not self._send_open and out.sent_total < out.end:
+        if not self._send_open and out.sent_total < out.end and not self._send_deferred:
             req._finish(self._error or ConnectionResetError("connection lost with data unsent"))
             return
-        out.track(req)
+        out.track(req)  # (after a deferred send error: failed with the loop's)
 
     def can_write_eof(self) -> bool:
         return self._raw.can_write_eof()
@@ -947,10 +948,16 @@ class SlabTransport(WriteGate):
         most often, after which the kernel refuses sends with EPIPE -- and
         its ``connection_lost``, on its way, says so: the send side closes
         and that error, not the send's, ends the writes and the reads, as
-        it does asyncio's. (On uvloop a reset read first left every waiter
+        it does asyncio's (the send's is kept for a close of the loop's
+        that brings none). (On uvloop a reset read first left every waiter
         with ``BrokenPipeError``.) Otherwise the send's error ends the
         connection."""
         if self._raw.is_closing() and not self._raw_gone:
+            if self._error is None:
+                # (Ours only if the loop's close turns out to be a graceful
+                # one, which brings no error: _connection_lost.)
+                self._error = exc
+                self._send_deferred = True
             self._close_sock()
             return
         self._abort(exc)
@@ -1153,7 +1160,7 @@ class SlabTransport(WriteGate):
         if self._outliving is not None:
             self._outliving.detach()
             self._outliving = None
-        err = self._error or exc
+        err = exc if self._send_deferred and exc is not None else self._error or exc
         self._out.fail(err or ConnectionResetError("connection lost with data unsent"))
         self._close_sock()
         self._state = _State.CLOSED  # always allowed: the loop says so
