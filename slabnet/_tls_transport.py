@@ -315,9 +315,6 @@ class TLSTransport(WriteGate):
         engine.lend_data(data)
         try:
             self._handshake()
-            stage: _Stage = self._stage  # (changed by the handshake)
-            if stage is _Stage.READY:
-                self._pump()  # (what the handshake's own delivery left)
         finally:
             engine.release_lent()
 
@@ -1088,8 +1085,9 @@ class TLSTransport(WriteGate):
         if waiter is not None and not waiter.done():
             waiter.set_exception(exc)
             told = True
-        incoming = waiter is None and not told  # (a server's: no one waits for it)
-        if not told and (setup is not None or (incoming and self._loop.get_debug())):
+        # (No waiter: a server's incoming connection; asyncio's loop reports
+        # its failed handshake in debug mode.)
+        if not told and (setup is not None or (waiter is None and self._loop.get_debug())):
             self._loop.call_exception_handler({
                 "message": setup or "Error on transport creation for incoming connection",
                 "exception": exc, "protocol": self._app, "transport": self,
