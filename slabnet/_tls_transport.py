@@ -79,7 +79,8 @@ from ._errors import (
 from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import (
     _AFTER_READ, _NOT_YET, CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep,
-    FEED, FEED_PAUSED, FEED_STOPPED, FEED_SWITCHED, _loop_resources, chunk_deliverer, flow_limits,
+    FEED, FEED_PAUSED, FEED_STOPPED, FEED_SWITCHED, _loop_resources, callback_name, chunk_deliverer,
+    flow_limits,
 )
 from ._write import WriteRequest
 
@@ -952,6 +953,7 @@ class TLSTransport(WriteGate):
             else:
                 engine.lend_data(data)
         app_error: Exception | None = None
+        failed_in = "chunk_received"
         try:
             while force or not self._reading_paused:
                 chunk = self._held_plain
@@ -988,9 +990,10 @@ class TLSTransport(WriteGate):
                 try:
                     # (The app's now: set_protocol() may have been called
                     # from the last chunk's callback.)
-                    self._deliver(chunk)
+                    deliver = self._deliver
+                    deliver(chunk)
                 except Exception as exc:
-                    app_error = exc
+                    app_error, failed_in = exc, callback_name(deliver)
                     break
                 except BaseException:
                     # KeyboardInterrupt, SystemExit: out of run_forever, as
@@ -1010,7 +1013,7 @@ class TLSTransport(WriteGate):
             if data is not None:
                 engine.release_lent()
         if app_error is not None:
-            self._app_failed(app_error, "chunk_received", final)
+            self._app_failed(app_error, failed_in, final)
             return
         if final:
             return

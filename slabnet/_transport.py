@@ -80,7 +80,7 @@ import weakref
 from asyncio import base_events as asyncio_base_events
 from asyncio import constants as asyncio_constants
 from asyncio import transports as asyncio_transports
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Final, cast
 
 from ._errors import LocalAbortError, untraced
@@ -1261,7 +1261,7 @@ class _BufferFiller:
     ``set_protocol()`` it goes to the new protocol; after ``close()`` or
     ``abort()`` nothing more is delivered."""
 
-    __slots__ = ("protocol", "owner")
+    __slots__ = ("protocol", "owner", "calling")
 
     def __init__(self, protocol: asyncio.BufferedProtocol, owner: Any) -> None:
         # owner: feed_state(protocol) -> FEED..., hold_rest(rest) keeps the
@@ -1269,6 +1269,7 @@ class _BufferFiller:
         # protocol set now.
         self.protocol = protocol
         self.owner = owner
+        self.calling = "get_buffer"  # the protocol's method called last (callback_name)
 
     def __call__(self, chunk: memoryview) -> None:
         protocol, owner = self.protocol, self.owner
@@ -1280,13 +1281,26 @@ class _BufferFiller:
                 elif state == FEED_SWITCHED:
                     owner.deliver_now(memoryview(chunk.tobytes()))
                 return
+            self.calling = "get_buffer"
             buf = memoryview(protocol.get_buffer(len(chunk))).cast("B")
             n = min(len(buf), len(chunk))
             if not n:
                 raise RuntimeError("get_buffer() returned an empty buffer")
             buf[:n] = chunk[:n]
+            self.calling = "buffer_updated"
             protocol.buffer_updated(n)
             chunk = chunk[n:]
+
+
+def callback_name(deliver: Callable[[memoryview], object]) -> str:
+    """The upper protocol's method that ``deliver`` (made by
+    ``chunk_deliverer``) called last: what an error it raised is reported
+    as, so that an app hears of the method it wrote."""
+    if isinstance(deliver, _BufferFiller):
+        return deliver.calling
+    if isinstance(deliver, functools.partial):
+        return "data_received"
+    return "chunk_received"
 
 
 def _data_received(protocol: asyncio.Protocol, chunk: memoryview) -> None:
@@ -1431,15 +1445,16 @@ class SlabProtocol(asyncio.BufferedProtocol):
         # An exception from the app ends the connection here, at once: the
         # loop's transport would end it only an iteration later (its fatal
         # error path), while ours still took writes.
+        deliver = self._deliver
         try:
             if self._borrows:
                 # Only lent: the upper protocol copies it before returning,
                 # so no chunk is made and no slab is pinned.
-                self._deliver(self._slab.consume(nbytes))
+                deliver(self._slab.consume(nbytes))
             else:
-                self._deliver(self._slab.commit(nbytes))
+                deliver(self._slab.commit(nbytes))
         except Exception as exc:
-            self._app_failed(exc, "chunk_received")
+            self._app_failed(exc, callback_name(deliver))
 
     def eof_received(self) -> bool | None:
         tr = self._transport
@@ -1612,10 +1627,11 @@ class SlabProtocol(asyncio.BufferedProtocol):
         # from this callback, it would leave the socket paused for good.
         if held is not None:
             self._held = None
+            deliver = self._deliver
             try:
-                self._deliver(held)
+                deliver(held)
             except Exception as exc:
-                self._app_failed(exc, "chunk_received")
+                self._app_failed(exc, callback_name(deliver))
                 return
             except BaseException:
                 # KeyboardInterrupt, SystemExit: out of run_forever, as the

@@ -312,3 +312,70 @@ async def test_a_raising_chunk_received_ends_the_plain_connection_at_once() -> N
     finally:
         loop.set_exception_handler(None)
         server.close()
+
+
+class RaisingIn(asyncio.BufferedProtocol):
+    """An asyncio protocol whose method ``where`` raises on the first read."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.buf = bytearray(65536)
+        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if self.where == "get_buffer":
+            raise RuntimeError("app bug")
+        return memoryview(self.buf)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self.where == "buffer_updated":
+            raise RuntimeError("app bug")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+class RaisingData(asyncio.Protocol):
+    """A plain asyncio ``Protocol`` whose ``data_received`` raises."""
+
+    def __init__(self) -> None:
+        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        raise RuntimeError("app bug")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("where", ["get_buffer", "buffer_updated", "data_received"])
+async def test_the_error_report_names_the_method_of_the_app_that_raised(
+    tls: bool, where: str, request: pytest.FixtureRequest,
+) -> None:
+    """The loop's exception handler heard "protocol.chunk_received()
+    failed" of an asyncio protocol, which has no such method, whichever of
+    its own methods raised. As the loops do, the report names that method
+    (get_buffer, buffer_updated or data_received), and the connection ends
+    with its error."""
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, context: errors.append(context))
+    server_ssl, client_ssl = contexts(tls, request)
+    server = await sending_server(DATA, server_ssl)
+    try:
+        app = RaisingData() if where == "data_received" else RaisingIn(where)
+        await connect(app, server.sockets[0].getsockname()[1], client_ssl)
+        exc = await asyncio.wait_for(app.lost, WAKE)
+        assert isinstance(exc, RuntimeError) and str(exc) == "app bug"
+        assert [c["message"] for c in errors] == [f"slabnet: protocol.{where}() failed"]
+        assert errors[0]["exception"] is exc
+    finally:
+        loop.set_exception_handler(None)
+        server.close()
