@@ -291,6 +291,7 @@ def memory_stats() -> MemoryStats:
     """Account for every slab in the process (all loops, all threads)."""
     slab_bytes = pinned = live_chunks = idle = 0
     slabs = [s for s in (ref() for ref in list(_all_slabs.values())) if s is not None]
+    read_slabs = [r for r in (ref() for ref in list(_read_slabs.values())) if r is not None]
     me = threading.get_ident()
     foreign = [s for s in slabs if s.owner != me]
     viewed = _viewed(foreign) if foreign else set()
@@ -322,8 +323,8 @@ def memory_stats() -> MemoryStats:
         slabs_allocated=c.slabs_allocated,
         slabs_recycled=c.slabs_recycled,
         slabs_released=c.slabs_released,
-        held_slabs=sum(r._count() for r in list(_read_slabs)),
-        held_bytes=sum(r._held for r in list(_read_slabs)),
+        held_slabs=sum(r._count() for r in read_slabs),
+        held_bytes=sum(r._held for r in read_slabs),
         lent_reads=c.lent,
     )
 
@@ -392,8 +393,10 @@ class _Pool:
         self.takes = 0
 
 
-# Every ReadSlab alive in the process, for memory_stats().
-_read_slabs: weakref.WeakSet[ReadSlab] = weakref.WeakSet()
+# Every ReadSlab alive in the process, for memory_stats(), by id: a dict,
+# not a WeakSet, as _all_slabs, so that a snapshot of it (list() of its
+# values, one call in C) cannot meet another thread's loop adding its own.
+_read_slabs: dict[int, weakref.ref[ReadSlab]] = {}
 
 
 class ReadSlab:
@@ -445,7 +448,8 @@ class ReadSlab:
         self._held = 0  # bytes of the slabs in the pools
         self._loop: weakref.ref[_Loop] | None = None if loop is None else weakref.ref(loop)
         self._timer = False
-        _read_slabs.add(self)
+        key = id(self)
+        _read_slabs[key] = weakref.ref(self, lambda _ref: _read_slabs.pop(key, None))
 
     # ------------------------------------------------ reservations
 
