@@ -253,7 +253,12 @@ class TLSTransport(WriteGate):
         self._closing = new is _Stage.SHUTDOWN or new is _Stage.DONE
 
     def is_closing(self) -> bool:
-        return self._closing
+        # Also once the plain connection below is closing (a send failed: a
+        # reset; the loop read one): no write reaches the peer any more,
+        # and a writer's drain() must let connection_lost run, not return
+        # at once to a loop of write() and drain() that never yields.
+        lower = self._lower
+        return self._closing or (lower is not None and lower.is_closing())
 
     def _writes_closed(self) -> bool:
         lower = self._lower
@@ -622,7 +627,7 @@ class TLSTransport(WriteGate):
         queued = 0 if lower is None else lower.get_write_buffer_size()
         if queued or stage is _Stage.HANDSHAKE:
             # Its ciphertext position is known once it is encrypted.
-            req = WriteRequest(n, -1)
+            req = WriteRequest(n, -1, None, self._loop)
             self._reqs.append(req)
         if stage is _Stage.READY:
             if self._sent_in != self._iterations.now:

@@ -36,9 +36,12 @@ Only bytes the kernel refuses need more: the loops refuse ``add_writer`` on
 a descriptor their transport owns, so a connection whose queue waits for
 writability takes a duplicate of the descriptor (``os.dup``) to wait on, and
 closes it once the queue is empty. An idle or keeping-up connection holds
-one descriptor, as asyncio's. With no descriptor to spare (``EMFILE``) a
-blocked queue polls for writability on a timer instead (1 ms, doubling to
-50 ms): slower, but nothing is lost and nothing fails. The loop's transport
+one descriptor, as asyncio's. With no descriptor to spare (``EMFILE``), or
+with the duplicate in the last quarter of the process's descriptor limit
+(a server with many slow readers, whose queues all wait: their duplicates
+must not leave ``accept()`` none), a blocked queue polls for writability on
+a timer instead (1 ms, doubling to 50 ms): slower, but nothing is lost and
+nothing fails. The loop's transport
 never writes; it still reads, shuts the write side down (``write_eof``) and
 performs the final close, after slabnet's queue is empty. If the loop
 closes its transport first (``Server.close_clients()``), the duplicate
@@ -75,6 +78,7 @@ import enum
 import functools
 import logging
 import os
+import resource
 import ssl
 import weakref
 from asyncio import base_events as asyncio_base_events
@@ -130,6 +134,20 @@ _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
 #: sent per poll.
 _POLL_MIN: Final = 0.001
 _POLL_MAX: Final = 0.05
+
+#: A queue that waits on a duplicate and sends nothing for between one and
+#: two of these (seconds) gives the duplicate back and polls, at _POLL_MAX,
+#: until it is empty: a peer that stopped reading.
+_STALLED_AFTER: Final = 1.0
+
+
+def _spare_descriptor(fd: int) -> bool:
+    """Whether a duplicate that got number ``fd`` may be kept: it lies below
+    three quarters of the soft descriptor limit. The kernel hands out the
+    lowest free number, so a higher one means the table is that full, and
+    the rest is left to what the application opens (accept(), files)."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return soft == resource.RLIM_INFINITY or fd < soft - soft // 4
 
 #: Loops that read once per readiness event (see SlabProtocol: lazy pause).
 _SELECTOR_LOOP: Final = asyncio.selector_events.BaseSelectorEventLoop
@@ -198,12 +216,41 @@ class _Iterations:
 
 
 class _LoopResources:
-    __slots__ = ("slab", "pool", "iterations", "__weakref__")
+    __slots__ = ("slab", "pool", "iterations", "blocked", "_sweeping", "__weakref__")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.slab = ReadSlab(loop=loop)
         self.pool = BufferPool()
         self.iterations = _Iterations()
+        # The connections whose queue waits on a duplicate descriptor, with
+        # the bytes each had sent at the last sweep (see _sweep_blocked).
+        # (Weak: a connection left blocked when its loop ends must not keep
+        # the loop, the key these resources are kept under, alive.)
+        self.blocked: weakref.WeakKeyDictionary[SlabTransport, int] = weakref.WeakKeyDictionary()
+        # A sweep is scheduled. (Not its handle: it holds the loop.)
+        self._sweeping = False
+
+    def watch(self, tr: SlabTransport, loop: asyncio.AbstractEventLoop) -> None:
+        self.blocked[tr] = tr._out.sent_total
+        if not self._sweeping:
+            self._sweeping = True
+            loop.call_later(_STALLED_AFTER, self._sweep_blocked, loop)
+
+    def _sweep_blocked(self, loop: asyncio.AbstractEventLoop) -> None:
+        """A queue that sent nothing for a whole period has a peer that
+        does not read: its duplicate descriptor goes back (it polls), so a
+        server's stalled readers hold one descriptor each, as asyncio's."""
+        self._sweeping = False
+        blocked = self.blocked
+        for tr, seen in list(blocked.items()):
+            sent = tr._out.sent_total
+            if sent == seen:
+                tr._give_back_stalled()
+            else:
+                blocked[tr] = sent
+        if blocked and not loop.is_closed():
+            self._sweeping = True
+            loop.call_later(_STALLED_AFTER, self._sweep_blocked, loop)
 
 
 _resources: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopResources] = (
@@ -628,7 +675,8 @@ class SlabTransport(WriteGate):
         "_proto", "_raw", "_pool", "_iterations", "_state", "_closing", "_out", "_fd",
         "_ino", "_dup", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
         "_flush_scheduled", "_corked", "_corked_pieces", "_eof_sent", "_error", "_raw_gone",
-        "_sent_in", "_outliving", "_send_deferred", "__weakref__",  # (as the loops' transports)
+        "_sent_in", "_outliving", "_send_deferred", "_res", "_stalled",
+        "__weakref__",  # (as the loops' transports)
     )
 
     def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, res: _LoopResources) -> None:
@@ -637,6 +685,7 @@ class SlabTransport(WriteGate):
         self._raw = raw
         self._pool = res.pool
         self._iterations = res.iterations
+        self._res = res
         self._state = _State.OPEN
         self._closing = False  # derived from _state by _set_state: a hot check
         self._out = OutQueue()
@@ -653,6 +702,9 @@ class SlabTransport(WriteGate):
         self._waiting_writable = False
         self._poll: asyncio.TimerHandle | None = None  # EMFILE: polling instead
         self._poll_delay = _POLL_MIN
+        # The queue stalled on a duplicate, which went back: it polls until
+        # it is empty (_give_back_stalled).
+        self._stalled = False
         self._flush_scheduled = False
         # The iteration of the last small write sent at once, or
         # _AFTER_READ or _REPLIED: the next one goes at once too (see write).
@@ -747,7 +799,7 @@ class SlabTransport(WriteGate):
                 # the shared pool, where one region pins the whole pool for
                 # as long as the peer takes to read.
                 out.append_small(view)
-                req = out.request(n)
+                req = out.request(n, self._loop)
                 self._check_pause()
                 return req
             # Gather: copy into the pool, right after this connection's last
@@ -813,7 +865,7 @@ class SlabTransport(WriteGate):
                 continue
             out.append(_keep(v[sent:]))
             sent = 0
-        req = out.request(left)
+        req = out.request(left, self._loop)
         self._wait_writable()
         self._check_pause()
         return req
@@ -833,7 +885,7 @@ class SlabTransport(WriteGate):
             self._flush()
             if not out:
                 return None
-        req = out.request(total)
+        req = out.request(total, self._loop)
         self._check_pause()
         return req
 
@@ -1048,25 +1100,52 @@ class SlabTransport(WriteGate):
         except OSError:
             return False
 
-    def _wait_writable(self) -> None:
-        """The kernel is full: call ``_flush`` again once it can take more."""
+    def _wait_writable(self, outlive: bool = False) -> None:
+        """The kernel is full: call ``_flush`` again once it can take more.
+        (``outlive``: the duplicate is to hold the connection after the
+        loop's transport closes, so it is kept in a crowded table too.)"""
         if self._waiting_writable:
             return
         self._waiting_writable = True
         # What waits may be gathered writes: regions of the loop's shared
         # pool, which the other connections' writes fill meanwhile.
         self._out.own_pooled()
-        if self._dup is None and (not self._raw.is_closing() or self._fd_is_ours()):
+        if (
+            self._dup is None and not self._stalled
+            and (not self._raw.is_closing() or self._fd_is_ours())
+        ):
             try:
                 fd = os.dup(self._fd)
             except OSError:  # EMFILE, ENFILE: no descriptor to wait on
                 pass
             else:
-                self._dup = _Duplicate(fd)
+                if outlive or _spare_descriptor(fd):
+                    self._dup = _Duplicate(fd)
+                else:
+                    os.close(fd)
         if self._dup is not None:
             self._loop.add_writer(self._dup.fileno(), self._flush)
+            self._res.watch(self, self._loop)
             return
         self._poll = self._loop.call_later(self._poll_delay, self._poll_writable)
+
+    def _give_back_stalled(self) -> None:
+        """The sweep saw this queue send nothing for a whole period: close
+        the duplicate and poll instead, at the slowest rate, until the
+        queue is empty. (Not while the duplicate holds the connection after
+        the loop closed its transport.)"""
+        del self._res.blocked[self]
+        dup = self._dup
+        if dup is None or not self._waiting_writable or self._poll is not None or self._raw_gone:
+            return
+        if self._raw.is_closing():
+            return
+        self._loop.remove_writer(dup.fileno())
+        dup.close()
+        self._dup = None
+        self._stalled = True
+        self._poll_delay = _POLL_MAX
+        self._poll = self._loop.call_later(_POLL_MAX, self._poll_writable)
 
     def _poll_writable(self) -> None:
         self._poll = None
@@ -1094,6 +1173,9 @@ class SlabTransport(WriteGate):
                 assert self._dup is not None
                 self._loop.remove_writer(self._dup.fileno())
         self._poll_delay = _POLL_MIN
+        self._res.blocked.pop(self, None)
+        if not self._out:
+            self._stalled = False
         if self._dup is not None and (not self._out or not self._send_open):
             self._dup.close()
             self._dup = None
@@ -1134,7 +1216,8 @@ class SlabTransport(WriteGate):
             # (the loop's is still open until this returns); if there is
             # still none, the queue cannot outlive it and is lost with it.
             self._stop_waiting()
-            self._wait_writable()
+            self._stalled = False  # (a duplicate now, however slow the peer)
+            self._wait_writable(outlive=True)
             if self._dup is None:
                 return False
         self._raw_gone = True
@@ -1281,14 +1364,26 @@ class _BufferFiller:
                 elif state == FEED_SWITCHED:
                     owner.deliver_now(memoryview(chunk.tobytes()))
                 return
-            self.calling = "get_buffer"
-            buf = memoryview(protocol.get_buffer(len(chunk))).cast("B")
-            n = min(len(buf), len(chunk))
-            if not n:
-                raise RuntimeError("get_buffer() returned an empty buffer")
-            buf[:n] = chunk[:n]
-            self.calling = "buffer_updated"
-            protocol.buffer_updated(n)
+            n = 0
+            try:
+                self.calling = "get_buffer"
+                buf = memoryview(protocol.get_buffer(len(chunk))).cast("B")
+                n = min(len(buf), len(chunk))
+                if not n:
+                    raise RuntimeError("get_buffer() returned an empty buffer")
+                buf[:n] = chunk[:n]
+                self.calling = "buffer_updated"
+                protocol.buffer_updated(n)
+            except BaseException as exc:
+                # An Exception ends the connection (the owner reports it).
+                # KeyboardInterrupt, SystemExit leave run_forever, as from
+                # the loops' own callbacks, and the connection lives on: the
+                # rest of the chunk waits in the owner, first once the loop
+                # runs again (the loops would not have read it yet).
+                rest = chunk[n:] if self.calling == "buffer_updated" else chunk
+                if not isinstance(exc, Exception) and rest and owner.feed_state(protocol) != FEED_STOPPED:
+                    owner.hold_rest(memoryview(rest.tobytes()))  # (chunks may be lent)
+                raise
             chunk = chunk[n:]
 
 
@@ -1455,6 +1550,11 @@ class SlabProtocol(asyncio.BufferedProtocol):
                 deliver(self._slab.commit(nbytes))
         except Exception as exc:
             self._app_failed(exc, callback_name(deliver))
+        except BaseException:
+            # KeyboardInterrupt, SystemExit from an asyncio BufferedProtocol
+            # part of the way through the read: its filler holds the rest.
+            self._release_soon()
+            raise
 
     def eof_received(self) -> bool | None:
         tr = self._transport
@@ -1583,9 +1683,8 @@ class SlabProtocol(asyncio.BufferedProtocol):
         it a TLS handshake would wait for its timeout."""
         if self._eof and not self._eof_held and not self._stopped and self._eof_to is not self.upper:
             self._eof_held = True
-            if not self._paused and not self._release_scheduled:
-                self._release_scheduled = True
-                self.loop.call_soon(self._release_held)
+            if not self._paused:
+                self._release_soon()
 
     def resume_reading(self) -> None:
         if not self._paused:
@@ -1596,9 +1695,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
             # Delivered from the loop, not from inside the caller (a stream
             # resumes in the middle of a read), and before any newer read:
             # the socket resumes only once the held bytes are delivered.
-            if not self._release_scheduled:
-                self._release_scheduled = True
-                self.loop.call_soon(self._release_held)
+            self._release_soon()
         elif self._socket_paused:
             self._resume_socket()
 
@@ -1616,6 +1713,12 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._socket_paused = True
         assert self._raw is not None
         self._raw.pause_reading()
+
+    def _release_soon(self) -> None:
+        """Deliver what is held (and resume the socket) from the loop."""
+        if not self._release_scheduled:
+            self._release_scheduled = True
+            self.loop.call_soon(self._release_held)
 
     def _release_held(self) -> None:
         self._release_scheduled = False
@@ -1635,11 +1738,11 @@ class SlabProtocol(asyncio.BufferedProtocol):
                 return
             except BaseException:
                 # KeyboardInterrupt, SystemExit: out of run_forever, as the
-                # loops let them out of their own callbacks. The rest (the
-                # held EOF, the socket's resume) is done once the loop runs
-                # again, or the socket would stay paused for good.
-                self._release_scheduled = True
-                self.loop.call_soon(self._release_held)
+                # loops let them out of their own callbacks. The rest (what
+                # a BufferedProtocol's filler held again, the held EOF, the
+                # socket's resume) is done once the loop runs again, or the
+                # socket would stay paused for good.
+                self._release_soon()
                 raise
         if self._eof_held and not self._paused:
             self._eof_held = False

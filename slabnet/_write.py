@@ -65,14 +65,21 @@ class WriteRequest:
     itself, and the bytes stay queued for every other awaiter and later one.
     """
 
-    __slots__ = ("nbytes", "_end", "_queue", "_exc", "_done", "_waiters")
+    __slots__ = ("nbytes", "_end", "_queue", "_loop", "_exc", "_done", "_waiters")
 
-    def __init__(self, nbytes: int, end: int, queue: OutQueue | None = None) -> None:
+    def __init__(
+        self, nbytes: int, end: int, queue: OutQueue | None = None, loop: Any = None
+    ) -> None:
         self.nbytes = nbytes
         self._end = end  # stream position the kernel must have taken
         # The queue whose progress decides it (OutQueue.request, .track);
         # None until then (a TLS layer's request before encryption).
         self._queue = queue
+        # The connection's event loop (None: no shell, as in the tests of
+        # this module): an await's future is its, so that a task of another
+        # loop is told so at once (as by asyncio's drain()) instead of
+        # waiting on a future that this loop's thread completes.
+        self._loop = loop
         self._exc: BaseException | None = None
         self._done = False
         # The futures of the awaits in progress: None until the first await
@@ -120,7 +127,7 @@ class WriteRequest:
         if not self._done:
             import asyncio  # the shell's loop; this module stays sans-IO
 
-            waiter = asyncio.get_running_loop().create_future()
+            waiter = (self._loop or asyncio.get_running_loop()).create_future()
             waiters = self._waiters
             if waiters is None:
                 waiters = self._waiters = []
@@ -278,10 +285,11 @@ class OutQueue:
         self.end += nbytes
         self.sent_total += nbytes
 
-    def request(self, nbytes: int) -> WriteRequest:
+    def request(self, nbytes: int, loop: Any = None) -> WriteRequest:
         """A request for the bytes queued so far (the last ``nbytes`` of
-        them); the queue keeps it only once it is awaited."""
-        return WriteRequest(nbytes, self.end, self)
+        them), of the connection on ``loop``; the queue keeps it only once
+        it is awaited."""
+        return WriteRequest(nbytes, self.end, self, loop)
 
     def track(self, req: WriteRequest) -> None:
         """Make ``req`` complete once everything queued so far is sent."""

@@ -256,6 +256,94 @@ async def test_a_connection_holds_one_descriptor_and_a_second_only_while_blocked
     assert await fds_settle(baseline) <= baseline
 
 
+@pytest.mark.asyncio
+async def test_a_queue_whose_peer_stopped_reading_gives_its_second_descriptor_back(
+    listener: socket.socket,
+) -> None:
+    """A streaming server's slow readers block their queues for good, and
+    each held a duplicate descriptor for as long: two descriptors per
+    stalled reader, so a server with a descriptor limit of 256 stopped
+    accepting (EMFILE, good clients timed out) at about 125 of them, where
+    asyncio's serves about 250. A queue that sends nothing for a whole
+    sweep period (1-2 s) now gives the duplicate back and polls; when the
+    peer reads again every byte still comes, in order."""
+    port = listener.getsockname()[1]
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    baseline = open_fds()
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    peer = await accept(listener)
+    payload = os.urandom(1024 * 1024)
+    req = writer.write(payload)
+    assert req is not None
+    tr = writer.transport
+    assert tr._dup is not None and open_fds() == baseline + 3  # blocked: a duplicate
+    async with asyncio.timeout(WAKE):
+        while tr._dup is not None:  # (the peer reads nothing meanwhile)
+            await asyncio.sleep(0.05)
+    assert open_fds() == baseline + 2 and tr._poll is not None  # one each again: polling
+    assert await recv_exactly(peer, len(payload), WAKE) == payload
+    await asyncio.wait_for(req, WAKE)
+    assert tr._dup is None and tr._poll is None
+    # Blocked again later: a duplicate again (the stall was that queue's).
+    req = writer.write(payload)
+    assert req is not None and tr._dup is not None
+    assert await recv_exactly(peer, len(payload), WAKE) == payload
+    await asyncio.wait_for(req, WAKE)
+    writer.close()
+    await writer.wait_closed()
+    peer.close()
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.asyncio
+async def test_no_duplicate_in_the_last_quarter_of_the_descriptor_limit(
+    listener: socket.socket,
+) -> None:
+    """A blocked queue's duplicate descriptor is not taken where it would
+    lie in the last quarter of the soft limit: that part is left to what
+    the application opens (accept(), files). The queue polls, and every
+    byte still goes out."""
+    port = listener.getsockname()[1]
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    reader, writer = await slabnet.open_connection("127.0.0.1", port)
+    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    peer = await accept(listener)
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    fillers: list[int] = []
+    try:
+        # A limit with the lowest free descriptor in its last quarter, and
+        # descriptors to spare above it.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, old[1]))
+        while (fd := os.open(os.devnull, os.O_RDONLY)) <= highest:
+            fillers.append(fd)  # (the gaps below the highest)
+        os.close(fd)
+        assert highest + 1 >= (highest + 8) * 3 // 4
+        payload = os.urandom(256 * 1024)
+        req = writer.write(payload)
+        assert req is not None
+        tr = writer.transport
+        assert tr._dup is None and tr._poll is not None  # polling
+        probe = os.open(os.devnull, os.O_RDONLY)  # (a descriptor was free: not EMFILE)
+        os.close(probe)
+        assert await recv_exactly(peer, len(payload), WAKE) == payload
+        await asyncio.wait_for(req, WAKE)
+        # With the limit far above, the same queue waits on a duplicate.
+        resource.setrlimit(resource.RLIMIT_NOFILE, old)
+        req = writer.write(payload)
+        assert req is not None and tr._dup is not None
+        assert await recv_exactly(peer, len(payload), WAKE) == payload
+        await asyncio.wait_for(req, WAKE)
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, old)
+    writer.close()
+    await writer.wait_closed()
+    peer.close()
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 @pytest.mark.asyncio
 async def test_app_connection_made_raising_ends_the_connection(

@@ -531,3 +531,175 @@ def test_close_in_the_last_tls_delivery_leaves_no_shutdown_timer(
             assert layer() is None, [type(r).__name__ for r in gc.get_referrers(layer())]
     finally:
         peer.close()
+
+
+class SmallBuffersInterrupted(asyncio.BufferedProtocol):
+    """An asyncio ``BufferedProtocol`` with 4 KiB buffers whose third
+    ``buffer_updated()`` raises KeyboardInterrupt, after taking its bytes."""
+
+    def __init__(self) -> None:
+        self.buf = bytearray(4096)
+        self.data = bytearray()
+        self.calls = 0
+        self.transport: Any = None
+        self.lost: asyncio.Future[BaseException | None] | None = None
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        self.lost = asyncio.get_running_loop().create_future()
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        return self.buf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data += self.buf[:nbytes]
+        self.calls += 1
+        if self.calls == 3:
+            raise KeyboardInterrupt("from buffer_updated")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        assert self.lost is not None
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+    async def until(self, size: int) -> None:
+        """Until ``size`` bytes came, or the connection went."""
+        assert self.lost is not None
+        while len(self.data) < size and not self.lost.done():
+            await asyncio.sleep(0.001)
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_interrupt_in_buffer_updated_loses_nothing_of_the_read(
+    loop: asyncio.AbstractEventLoop, tls: bool, request: pytest.FixtureRequest,
+) -> None:
+    """slabnet reads more at a time than an asyncio BufferedProtocol's
+    buffer takes (a 64 KiB read, a 16 KiB TLS chunk) and fills its buffers
+    one after the other. A KeyboardInterrupt from one buffer_updated()
+    dropped the rest of that read: 53,248 of the 65,536 bytes here, and the
+    stream went on after the hole (asyncio's transport reads no more than
+    the buffer takes, so the rest is still in the socket). Now the rest
+    comes first once the loop runs again; where the loop fails the
+    transport with the interrupt (uvloop), what came is a clean prefix."""
+    payload = bytes(range(256)) * 256  # 64 KiB, in the client's socket before it reads
+    app = SmallBuffersInterrupted()
+    listener: socket.socket | None = None
+    peer: Any = None
+    sock: Any
+    if tls:
+        peer = BlockingTLSPeer(request.getfixturevalue("tls_server_context"))
+        ctx = request.getfixturevalue("tls_client_context")
+
+        async def connect() -> None:
+            await loop.create_connection(
+                lambda: slabnet.SlabProtocol(app, ssl=ctx, server_hostname="localhost"),
+                *peer.listener.getsockname(),
+            )
+
+        run(loop, connect())
+        sock = run(loop, loop.run_in_executor(None, peer.ready))
+    else:
+        listener = socket.create_server(("127.0.0.1", 0))
+
+        async def connect() -> None:
+            await loop.create_connection(lambda: slabnet.SlabProtocol(app), *listener.getsockname())
+
+        run(loop, connect())
+        sock, _ = listener.accept()
+    try:
+        sock.sendall(payload)
+        interrupted = False
+        try:
+            run(loop, app.until(len(payload)))
+        except KeyboardInterrupt:
+            interrupted = True  # asyncio's loop: out of run_forever
+        assert app.lost is not None
+        if interrupted:
+            assert app.calls == 3
+            run(loop, app.until(len(payload)))  # the peer sends nothing more
+            assert bytes(app.data) == payload
+            app.transport.abort()
+            run(loop, asyncio.shield(app.lost))
+        else:
+            # uvloop failed the transport with it: no hole in what came.
+            assert isinstance(run(loop, asyncio.shield(app.lost)), KeyboardInterrupt)
+            assert bytes(app.data) == payload[: len(app.data)]
+    finally:
+        if peer is not None:
+            peer.close()
+        else:
+            sock.close()
+        if listener is not None:
+            listener.close()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_write_request_awaited_from_another_loop_says_so(
+    loop: asyncio.AbstractEventLoop, tls: bool, request: pytest.FixtureRequest,
+) -> None:
+    """A WriteRequest awaited by a task of another loop (another thread's)
+    made its future on the awaiting loop, and the connection's thread
+    completed it from there: nothing ever woke the awaiting loop, so the
+    await hung (for good without a timeout), although the peer had every
+    byte. asyncio's drain() and slabnet's raise "attached to a different
+    loop" at once; so does the request now."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)
+    peer: BlockingTLSPeer | None = None
+    if tls:
+        peer = BlockingTLSPeer(request.getfixturevalue("tls_server_context"))
+        listener.close()
+        listener = peer.listener
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    other = asyncio.new_event_loop()
+    writer: Any = None
+    try:
+        async def connect_and_write() -> Any:
+            nonlocal writer
+            kw: dict[str, Any] = {}
+            if tls:
+                kw = {"ssl": request.getfixturevalue("tls_client_context"), "server_hostname": "localhost"}
+            _, writer = await slabnet.open_connection(*listener.getsockname(), **kw)
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 65536)
+            req = writer.write(b"z" * (16 << 20))  # far beyond what the kernel takes at once
+            if req is None:
+                # TLS: accepted once encrypted (at once); a write of the
+                # next iteration waits behind the ciphertext.
+                await asyncio.sleep(0)
+                req = writer.write(b"z" * 1000)
+            return req
+
+        made = asyncio.run_coroutine_threadsafe(connect_and_write(), loop)
+        if peer is not None:
+            peer.ready()  # (the handshake, on the peer's thread); then it reads nothing
+            req = made.result(WAKE)
+        else:
+            req = made.result(WAKE)
+            accepted, _ = listener.accept()
+        assert req is not None
+
+        async def await_it() -> None:
+            await req
+
+        with pytest.raises(RuntimeError, match="attached to a different loop"):
+            other.run_until_complete(asyncio.wait_for(await_it(), WAKE))
+    finally:
+        if writer is not None:
+            async def end() -> None:
+                writer.transport.abort()
+                try:
+                    await writer.wait_closed()
+                except Exception:
+                    pass  # (the abort's error)
+
+            asyncio.run_coroutine_threadsafe(end(), loop).result(WAKE)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(WAKE)
+        other.close()
+        if peer is not None:
+            peer.close()
+        else:
+            if "accepted" in locals():
+                accepted.close()
+            listener.close()

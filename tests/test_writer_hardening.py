@@ -949,3 +949,55 @@ async def test_a_reset_the_loop_read_first_is_a_reset_for_every_waiter(side: str
             server.close()
             await server.wait_closed()
         lsock.close()
+
+
+@pytest.mark.parametrize("side", ["client", "server"])
+@pytest.mark.asyncio
+async def test_a_tls_writer_whose_peer_reset_is_told_by_drain(
+    side: str, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    """A TLS connection whose peer reset it mid-stream: the send below the
+    TLS layer fails, or the loop reads the RST, and that plain connection
+    is closing while the TLS layer still said ``is_closing()`` False. A
+    streaming loop of ``write(); await drain()`` then never yielded:
+    ``drain()`` returned at once, the writes were dropped with a warning
+    each, and the loop served no one else for good (here: 1,000 rounds and
+    no error). Now ``drain()`` lets ``connection_lost`` run and raises the
+    reset, as it does over plain TCP."""
+    loop = asyncio.get_running_loop()
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen()
+    lsock.setblocking(False)
+    served: asyncio.Future[tuple[Any, Any]] = loop.create_future()
+    server = None
+    raw: RawTLS
+    try:
+        if side == "client":
+            connecting = asyncio.ensure_future(slabnet.open_connection(
+                *lsock.getsockname(), ssl=tls_client_context, server_hostname="localhost",
+            ))
+            conn, _ = await loop.sock_accept(lsock)
+            raw = RawTLS(conn, tls_server_context, server_side=True)
+            await asyncio.wait_for(raw.handshake(), WAKE)
+            _, writer = await asyncio.wait_for(connecting, WAKE)
+        else:
+            server = await slabnet.start_server(
+                lambda r, w: served.set_result((r, w)), sock=lsock, ssl=tls_server_context,
+            )
+            conn = socket.create_connection(lsock.getsockname())
+            raw = RawTLS(conn, tls_client_context, server_side=False, server_hostname="localhost")
+            await asyncio.wait_for(raw.handshake(), WAKE)
+            _, writer = await asyncio.wait_for(served, WAKE)
+        hard_close(raw.sock)
+        frame = b"x" * 65536
+        with pytest.raises(ConnectionError):
+            for _ in range(1000):  # (bounded: before, this never raised nor yielded)
+                writer.write(frame)
+                await writer.drain()
+        assert writer.is_closing()
+    finally:
+        if server is not None:
+            server.close()
+            await server.wait_closed()
+        lsock.close()
