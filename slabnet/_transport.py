@@ -1173,12 +1173,13 @@ class SlabTransport(WriteGate):
                 assert self._dup is not None
                 self._loop.remove_writer(self._dup.fileno())
         self._poll_delay = _POLL_MIN
-        self._res.blocked.pop(self, None)
         if not self._out:
             self._stalled = False
-        if self._dup is not None and (not self._out or not self._send_open):
-            self._dup.close()
-            self._dup = None
+        if self._dup is not None:
+            self._res.blocked.pop(self, None)  # (watched while it waits on one)
+            if not self._out or not self._send_open:
+                self._dup.close()
+                self._dup = None
 
     def _send_eof(self) -> None:
         """Shut our direction down; raises what the shutdown raises. The
