@@ -141,6 +141,22 @@ _POLL_MAX: Final = 0.05
 _STALLED_AFTER: Final = 1.0
 
 
+def _descriptors_crowded() -> bool:
+    """Whether the process holds at least half its soft descriptor limit."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return False
+    try:
+        held = len(os.listdir("/proc/self/fd"))
+    except OSError:  # no /proc, or EMFILE
+        try:  # (the lowest free number: a lower bound)
+            held = os.open(os.devnull, os.O_RDONLY)
+        except OSError:
+            return True
+        os.close(held)
+    return held >= soft // 2
+
+
 def _spare_descriptor(fd: int) -> bool:
     """Whether a duplicate that got number ``fd`` may be kept: it lies below
     three quarters of the soft descriptor limit. The kernel hands out the
@@ -238,16 +254,22 @@ class _LoopResources:
 
     def _sweep_blocked(self, loop: asyncio.AbstractEventLoop) -> None:
         """A queue that sent nothing for a whole period has a peer that
-        does not read: its duplicate descriptor goes back (it polls), so a
-        server's stalled readers hold one descriptor each, as asyncio's."""
+        does not read. Once the process holds half its descriptor limit,
+        such a queue's duplicate goes back (it polls), so that a server's
+        stalled readers hold one descriptor each, as asyncio's; below that
+        it keeps it (polling costs CPU, a duplicate nothing)."""
         self._sweeping = False
         blocked = self.blocked
+        stalled = []
         for tr, seen in list(blocked.items()):
             sent = tr._out.sent_total
             if sent == seen:
-                tr._give_back_stalled()
+                stalled.append(tr)
             else:
                 blocked[tr] = sent
+        if stalled and _descriptors_crowded():
+            for tr in stalled:
+                tr._give_back_stalled()
         if blocked and not loop.is_closed():
             self._sweeping = True
             loop.call_later(_STALLED_AFTER, self._sweep_blocked, loop)
@@ -1155,6 +1177,15 @@ class SlabTransport(WriteGate):
         # Poll briskly while the peer takes bytes; back off while it takes none.
         if self._out.sent_total > before:
             self._poll_delay = _POLL_MIN
+            if self._stalled:
+                # The stalled peer reads again: wait on a duplicate again
+                # (woken as the kernel takes more, not once a millisecond).
+                self._stalled = False
+                if self._poll is not None:  # (still blocked: polling again)
+                    self._poll.cancel()
+                    self._poll = None
+                    self._waiting_writable = False
+                    self._wait_writable()
         else:
             self._poll_delay = min(2 * self._poll_delay, _POLL_MAX)
 

@@ -264,9 +264,12 @@ async def test_a_queue_whose_peer_stopped_reading_gives_its_second_descriptor_ba
     each held a duplicate descriptor for as long: two descriptors per
     stalled reader, so a server with a descriptor limit of 256 stopped
     accepting (EMFILE, good clients timed out) at about 125 of them, where
-    asyncio's serves about 250. A queue that sends nothing for a whole
-    sweep period (1-2 s) now gives the duplicate back and polls; when the
-    peer reads again every byte still comes, in order."""
+    asyncio's serves about 250. Now, once the process holds half its limit,
+    a queue that sent nothing between two sweeps (one a second) gives the
+    duplicate back and polls; below that it keeps it (polling costs CPU).
+    When the peer reads again every byte still comes, in order. (The sweep
+    is called here, as its timer calls it.)"""
+    loop = asyncio.get_running_loop()
     port = listener.getsockname()[1]
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     baseline = open_fds()
@@ -278,18 +281,31 @@ async def test_a_queue_whose_peer_stopped_reading_gives_its_second_descriptor_ba
     assert req is not None
     tr = writer.transport
     assert tr._dup is not None and open_fds() == baseline + 3  # blocked: a duplicate
-    async with asyncio.timeout(WAKE):
-        while tr._dup is not None:  # (the peer reads nothing meanwhile)
-            await asyncio.sleep(0.05)
-    assert open_fds() == baseline + 2 and tr._poll is not None  # one each again: polling
-    assert await recv_exactly(peer, len(payload), WAKE) == payload
-    await asyncio.wait_for(req, WAKE)
-    assert tr._dup is None and tr._poll is None
-    # Blocked again later: a duplicate again (the stall was that queue's).
-    req = writer.write(payload)
-    assert req is not None and tr._dup is not None
-    assert await recv_exactly(peer, len(payload), WAKE) == payload
-    await asyncio.wait_for(req, WAKE)
+    tr._res._sweep_blocked(loop)  # nothing sent since it blocked: stalled
+    assert tr._dup is not None  # but the process holds few descriptors: kept
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    fillers: list[int] = []
+    try:
+        highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+        while (fd := os.open(os.devnull, os.O_RDONLY)) <= highest:
+            fillers.append(fd)  # (the gaps below the highest: a dense table)
+        os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (2 * (highest + 1), old[1]))  # half held
+        tr._res._sweep_blocked(loop)
+        assert tr._dup is None and tr._poll is not None  # given back: polling
+        assert open_fds() == baseline + 2  # one each again (sockets)
+        assert await recv_exactly(peer, len(payload), WAKE) == payload
+        await asyncio.wait_for(req, WAKE)
+        assert tr._dup is None and tr._poll is None
+        # Blocked again later: a duplicate again (the stall was that queue's).
+        req = writer.write(payload)
+        assert req is not None and tr._dup is not None
+        assert await recv_exactly(peer, len(payload), WAKE) == payload
+        await asyncio.wait_for(req, WAKE)
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, old)
     writer.close()
     await writer.wait_closed()
     peer.close()
@@ -825,3 +841,82 @@ async def test_a_ragged_eof_behind_a_paused_reader_keeps_every_byte(
     assert await asyncio.wait_for(reader.read(), WAKE) == payload
     writer.close()
     await asyncio.wait_for(task, WAKE + 5)
+
+
+_STREAMING_SERVER = r"""
+import asyncio, sys
+import slabnet
+
+async def handle(reader, writer):
+    try:
+        while line := await reader.readline():
+            if line.startswith(b"STREAM"):
+                while True:
+                    writer.write(b"x" * 65536)
+                    await writer.drain()
+            writer.write(b"PONG\n")
+            await writer.drain()
+    except ConnectionError:
+        pass
+    finally:
+        writer.close()
+
+async def main():
+    server = await slabnet.start_server(handle, "127.0.0.1", 0)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.sleep(120)
+
+if sys.argv[1] == "uvloop":
+    import uvloop
+    uvloop.run(main())
+else:
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("loop_kind", ["asyncio", "uvloop"])
+def test_a_server_with_many_stalled_readers_still_accepts(loop_kind: str) -> None:
+    """A streaming server (``write(); await drain()``) in a process with a
+    descriptor limit of 256, and 200 clients that ask for a stream and never
+    read: asyncio's streams hold about 207 descriptors and serve the next
+    client. slabnet held two per stalled reader, took all 256, and the next
+    clients timed out (its accept() failing with EMFILE). They are served."""
+    import subprocess
+    import sys
+    import time
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    server = subprocess.Popen(
+        [sys.executable, "-c", _STREAMING_SERVER, loop_kind],
+        stdout=subprocess.PIPE, text=True, preexec_fn=limit,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    stalled: list[socket.socket] = []
+    try:
+        assert server.stdout is not None
+        port = int(server.stdout.readline())
+        for _ in range(200):
+            s = socket.create_connection(("127.0.0.1", port), timeout=WAKE)
+            s.sendall(b"STREAM\n")
+            stalled.append(s)
+        served = False
+        deadline = time.monotonic() + 15  # (one sweep a second frees what waits)
+        while not served and time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=2) as good:
+                    good.sendall(b"PING\n")
+                    served = good.recv(5) == b"PONG\n"
+            except OSError:
+                time.sleep(0.2)
+        assert served, "no new client was served"
+        held = len(os.listdir(f"/proc/{server.pid}/fd"))
+        assert held < 256
+    finally:
+        for s in stalled:
+            s.close()
+        server.kill()
+        server.wait()
+        assert server.stdout is not None
+        server.stdout.close()
