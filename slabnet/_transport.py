@@ -41,9 +41,12 @@ with the duplicate in the last quarter of the process's descriptor limit
 (a server with many slow readers, whose queues all wait: their duplicates
 must not leave ``accept()`` none), a blocked queue polls for writability on
 a timer instead (1 ms, doubling to 50 ms): slower, but nothing is lost and
-nothing fails. The loop's transport
-never writes; it still reads, shuts the write side down (``write_eof``) and
-performs the final close, after slabnet's queue is empty. If the loop
+nothing fails. So does, once the process holds half its limit, a queue
+whose peer has taken nothing for a second or two (a per-loop sweep,
+``_LoopResources``): a crowded server's stalled readers hold one descriptor
+each. The loop's transport never writes; it still reads, shuts the write
+side down (``write_eof``) and performs the final close, after slabnet's
+queue is empty. If the loop
 closes its transport first (``Server.close_clients()``), the duplicate
 holds the connection: the queue goes out on it, then it is closed
 (``_outlive_raw``); meanwhile a 3.13 ``Server`` counts it among its clients
@@ -136,8 +139,9 @@ _POLL_MIN: Final = 0.001
 _POLL_MAX: Final = 0.05
 
 #: A queue that waits on a duplicate and sends nothing for between one and
-#: two of these (seconds) gives the duplicate back and polls, at _POLL_MAX,
-#: until it is empty: a peer that stopped reading.
+#: two of these (seconds) has a peer that stopped reading: once the process
+#: holds half its descriptor limit, it gives the duplicate back and polls,
+#: at _POLL_MAX, until the peer reads again or the queue is empty.
 _STALLED_AFTER: Final = 1.0
 
 
@@ -725,7 +729,7 @@ class SlabTransport(WriteGate):
         self._poll: asyncio.TimerHandle | None = None  # EMFILE: polling instead
         self._poll_delay = _POLL_MIN
         # The queue stalled on a duplicate, which went back: it polls until
-        # it is empty (_give_back_stalled).
+        # the peer reads again or it is empty (_give_back_stalled).
         self._stalled = False
         self._flush_scheduled = False
         # The iteration of the last small write sent at once, or
@@ -1152,15 +1156,17 @@ class SlabTransport(WriteGate):
         self._poll = self._loop.call_later(self._poll_delay, self._poll_writable)
 
     def _give_back_stalled(self) -> None:
-        """The sweep saw this queue send nothing for a whole period: close
-        the duplicate and poll instead, at the slowest rate, until the
-        queue is empty. (Not while the duplicate holds the connection after
-        the loop closed its transport.)"""
-        del self._res.blocked[self]
+        """The sweep saw this queue send nothing for a whole period, in a
+        crowded descriptor table: close the duplicate and poll instead, at
+        the slowest rate, until the peer reads again or the queue is empty.
+        (Not once the loop's transport is closing: the duplicate may be
+        what holds the connection then.)"""
+        self._res.blocked.pop(self, None)
         dup = self._dup
-        if dup is None or not self._waiting_writable or self._poll is not None or self._raw_gone:
-            return
-        if self._raw.is_closing():
+        if (
+            dup is None or not self._waiting_writable or self._poll is not None
+            or self._raw_gone or self._raw.is_closing()
+        ):
             return
         self._loop.remove_writer(dup.fileno())
         dup.close()
