@@ -37,11 +37,12 @@ a descriptor their transport owns, so a connection whose queue waits for
 writability takes a duplicate of the descriptor (``os.dup``) to wait on, and
 closes it once the queue is empty. An idle or keeping-up connection holds
 one descriptor, as asyncio's. With no descriptor to spare (``EMFILE``), or
-with the duplicate in the last quarter of the process's descriptor limit
-(a server with many slow readers, whose queues all wait: their duplicates
-must not leave ``accept()`` none), a blocked queue polls for writability on
-a timer instead (1 ms, doubling to 50 ms): slower, but nothing is lost and
-nothing fails. So does, once the process holds half its limit, a queue
+with the duplicate in the upper half of the process's descriptor limit
+(a server with many slow readers, or a burst of connections, whose queues
+all wait: their duplicates must not leave ``accept()`` none), a blocked
+queue polls for writability on a timer instead (1 ms, doubling to 50 ms),
+and so does then every queue that waits on a duplicate: slower, but
+nothing is lost and nothing fails. So does, once the process holds half its limit, a queue
 whose peer has taken nothing for a second or two (a per-loop sweep,
 ``_LoopResources``): a crowded server's stalled readers hold one descriptor
 each. The loop's transport never writes; it still reads, shuts the write
@@ -162,12 +163,12 @@ def _descriptors_crowded() -> bool:
 
 
 def _spare_descriptor(fd: int) -> bool:
-    """Whether a duplicate that got number ``fd`` may be kept: it lies below
-    three quarters of the soft descriptor limit. The kernel hands out the
-    lowest free number, so a higher one means the table is that full, and
+    """Whether a duplicate that got number ``fd`` may be kept: it lies in
+    the lower half of the soft descriptor limit. The kernel hands out the
+    lowest free number, so a higher one means the table is half full, and
     the rest is left to what the application opens (accept(), files)."""
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return soft == resource.RLIM_INFINITY or fd < soft - soft // 4
+    return soft == resource.RLIM_INFINITY or fd < soft // 2
 
 #: Loops that read once per readiness event (see SlabProtocol: lazy pause).
 _SELECTOR_LOOP: Final = asyncio.selector_events.BaseSelectorEventLoop
@@ -255,6 +256,13 @@ class _LoopResources:
         if not self._sweeping:
             self._sweeping = True
             loop.call_later(_STALLED_AFTER, self._sweep_blocked, loop)
+
+    def give_back_all(self) -> None:
+        """The descriptor table is half full: every queue that waits on a
+        duplicate gives it back and polls (a burst of connections whose
+        queues all block must not take the descriptors accept() needs)."""
+        for tr in list(self.blocked):
+            tr._give_back_stalled()
 
     def _sweep_blocked(self, loop: asyncio.AbstractEventLoop) -> None:
         """A queue that sent nothing for a whole period has a peer that
@@ -1149,6 +1157,8 @@ class SlabTransport(WriteGate):
                     self._dup = _Duplicate(fd)
                 else:
                     os.close(fd)
+                    self._stalled = True  # (no duplicate until the queue empties)
+                    self._res.give_back_all()
         if self._dup is not None:
             self._loop.add_writer(self._dup.fileno(), self._flush)
             self._res.watch(self, self._loop)
