@@ -8,11 +8,13 @@ descriptor is left behind where a connection fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 import resource
 import socket
 import ssl
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -843,6 +845,45 @@ async def test_a_ragged_eof_behind_a_paused_reader_keeps_every_byte(
     await asyncio.wait_for(task, WAKE + 5)
 
 
+# The server process of the descriptor-limit tests: a handler (the script)
+# behind slabnet.start_server, on the loop named by argv[1].
+_SERVER_MAIN = r"""
+async def main():
+    server = await slabnet.start_server(handle, "127.0.0.1", 0, backlog=1000)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    await asyncio.sleep(120)
+
+if sys.argv[1] == "uvloop":
+    import uvloop
+    uvloop.run(main())
+else:
+    asyncio.run(main())
+"""
+
+
+@contextlib.contextmanager
+def limited_server(handler_script: str, loop_kind: str) -> Iterator[tuple[int, int]]:
+    """A slabnet server process whose descriptor limit is 256: (port, pid)."""
+    import subprocess
+    import sys
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+    server = subprocess.Popen(
+        [sys.executable, "-c", handler_script + _SERVER_MAIN, loop_kind],
+        stdout=subprocess.PIPE, text=True, preexec_fn=limit,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert server.stdout is not None
+    try:
+        yield int(server.stdout.readline()), server.pid
+    finally:
+        server.kill()
+        server.wait()
+        server.stdout.close()
+
+
 _STREAMING_SERVER = r"""
 import asyncio, sys
 import slabnet
@@ -860,17 +901,6 @@ async def handle(reader, writer):
         pass
     finally:
         writer.close()
-
-async def main():
-    server = await slabnet.start_server(handle, "127.0.0.1", 0)
-    print(server.sockets[0].getsockname()[1], flush=True)
-    await asyncio.sleep(120)
-
-if sys.argv[1] == "uvloop":
-    import uvloop
-    uvloop.run(main())
-else:
-    asyncio.run(main())
 """
 
 
@@ -881,45 +911,29 @@ def test_a_server_with_many_stalled_readers_still_accepts(loop_kind: str) -> Non
     read: asyncio's streams hold about 207 descriptors and serve the next
     client. slabnet held two per stalled reader, took all 256, and the next
     clients timed out (its accept() failing with EMFILE). They are served."""
-    import subprocess
-    import sys
     import time
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-
-    server = subprocess.Popen(
-        [sys.executable, "-c", _STREAMING_SERVER, loop_kind],
-        stdout=subprocess.PIPE, text=True, preexec_fn=limit,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
     stalled: list[socket.socket] = []
-    try:
-        assert server.stdout is not None
-        port = int(server.stdout.readline())
-        for _ in range(200):
-            s = socket.create_connection(("127.0.0.1", port), timeout=WAKE)
-            s.sendall(b"STREAM\n")
-            stalled.append(s)
-        served = False
-        deadline = time.monotonic() + 15  # (one sweep a second frees what waits)
-        while not served and time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", port), timeout=2) as good:
-                    good.sendall(b"PING\n")
-                    served = good.recv(5) == b"PONG\n"
-            except OSError:
-                time.sleep(0.2)
-        assert served, "no new client was served"
-        held = len(os.listdir(f"/proc/{server.pid}/fd"))
-        assert held < 256
-    finally:
-        for s in stalled:
-            s.close()
-        server.kill()
-        server.wait()
-        assert server.stdout is not None
-        server.stdout.close()
+    with limited_server(_STREAMING_SERVER, loop_kind) as (port, pid):
+        try:
+            for _ in range(200):
+                s = socket.create_connection(("127.0.0.1", port), timeout=WAKE)
+                s.sendall(b"STREAM\n")
+                stalled.append(s)
+            served = False
+            deadline = time.monotonic() + 15  # (one sweep a second frees what waits)
+            while not served and time.monotonic() < deadline:
+                try:
+                    with socket.create_connection(("127.0.0.1", port), timeout=2) as good:
+                        good.sendall(b"PING\n")
+                        served = good.recv(5) == b"PONG\n"
+                except OSError:
+                    time.sleep(0.2)
+            assert served, "no new client was served"
+            assert len(os.listdir(f"/proc/{pid}/fd")) < 256
+        finally:
+            for s in stalled:
+                s.close()
 
 
 _BURST_SERVER = r"""
@@ -935,17 +949,6 @@ async def handle(reader, writer):
         await writer.wait_closed()
     except ConnectionError:
         pass
-
-async def main():
-    server = await slabnet.start_server(handle, "127.0.0.1", 0, backlog=1000)
-    print(server.sockets[0].getsockname()[1], flush=True)
-    await asyncio.sleep(120)
-
-if sys.argv[1] == "uvloop":
-    import uvloop
-    uvloop.run(main())
-else:
-    asyncio.run(main())
 """
 
 
@@ -961,58 +964,43 @@ def test_a_burst_of_blocked_connections_leaves_accept_its_descriptors(loop_kind:
     lower half of the limit, and the first one refused sends every waiting
     queue to polling: all 200 get their 1 MiB."""
     import selectors
-    import subprocess
-    import sys
     import time
 
-    def limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
-
-    server = subprocess.Popen(
-        [sys.executable, "-c", _BURST_SERVER, loop_kind],
-        stdout=subprocess.PIPE, text=True, preexec_fn=limit,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
     clients: list[socket.socket] = []
     sel = selectors.DefaultSelector()
-    try:
-        assert server.stdout is not None
-        port = int(server.stdout.readline())
-        for _ in range(200):
-            s = socket.socket()
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-            s.connect(("127.0.0.1", port))
-            clients.append(s)
-        time.sleep(0.5)  # (reading nothing yet: every queue waits)
-        got = {}
-        for s in clients:
-            s.setblocking(False)
-            sel.register(s, selectors.EVENT_READ)
-            got[s] = 0
-        open_ = len(clients)
-        deadline = time.monotonic() + 20
-        while open_ and time.monotonic() < deadline:
-            for key, _ in sel.select(1):
-                s = key.fileobj  # type: ignore[assignment]
-                try:
-                    data = s.recv(1 << 20)
-                except BlockingIOError:
-                    continue
-                except ConnectionResetError:
-                    data = b""
-                if not data:
-                    sel.unregister(s)
-                    open_ -= 1
-                else:
-                    got[s] += len(data)
-        assert open_ == 0, f"{open_} connections still open"
-        short = [n for n in got.values() if n != 1 << 20]
-        assert short == [], f"{len(short)} of 200 clients got less than 1 MiB"
-    finally:
-        sel.close()
-        for s in clients:
-            s.close()
-        server.kill()
-        server.wait()
-        assert server.stdout is not None
-        server.stdout.close()
+    with limited_server(_BURST_SERVER, loop_kind) as (port, _):
+        try:
+            for _ in range(200):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+                s.connect(("127.0.0.1", port))
+                clients.append(s)
+            time.sleep(0.5)  # (reading nothing yet: every queue waits)
+            got = {}
+            for s in clients:
+                s.setblocking(False)
+                sel.register(s, selectors.EVENT_READ)
+                got[s] = 0
+            open_ = len(clients)
+            deadline = time.monotonic() + 20
+            while open_ and time.monotonic() < deadline:
+                for key, _ in sel.select(1):
+                    s = key.fileobj  # type: ignore[assignment]
+                    try:
+                        data = s.recv(1 << 20)
+                    except BlockingIOError:
+                        continue
+                    except ConnectionResetError:
+                        data = b""
+                    if not data:
+                        sel.unregister(s)
+                        open_ -= 1
+                    else:
+                        got[s] += len(data)
+            assert open_ == 0, f"{open_} connections still open"
+            short = [n for n in got.values() if n != 1 << 20]
+            assert short == [], f"{len(short)} of 200 clients got less than 1 MiB"
+        finally:
+            sel.close()
+            for s in clients:
+                s.close()
