@@ -40,14 +40,17 @@ one descriptor, as asyncio's. With no descriptor to spare (``EMFILE``), or
 with the duplicate in the upper half of the process's descriptor limit
 (a server with many slow readers, or a burst of connections, whose queues
 all wait: their duplicates must not leave ``accept()`` none), a blocked
-queue polls for writability on a timer instead (1 ms, doubling to 50 ms),
-and so does then every queue that waits on a duplicate: slower, but
-nothing is lost and nothing fails. So does, once the process holds half its limit, a queue
+queue lends its bytes to the loop's transport instead (``_lend``), which
+waits on its own descriptor, and takes the queue back once it has sent
+them all (its protocol's ``resume_writing``, with write buffer limits of
+0); so does then every queue that waits on a duplicate. Nothing polls,
+nothing is lost and nothing fails; what is written meanwhile waits behind
+the lent bytes. So does, once the process holds half its limit, a queue
 whose peer has taken nothing for a second or two (a per-loop sweep,
 ``_LoopResources``): a crowded server's stalled readers hold one descriptor
-each. The loop's transport never writes; it still reads, shuts the write
-side down (``write_eof``) and performs the final close, after slabnet's
-queue is empty. If the loop
+each. Otherwise the loop's transport never writes; it reads, shuts the
+write side down (``write_eof``) and performs the final close, after
+slabnet's queue is empty. If the loop
 closes its transport first (``Server.close_clients()``), the duplicate
 holds the connection: the queue goes out on it, then it is closed
 (``_outlive_raw``); meanwhile a 3.13 ``Server`` counts it among its clients
@@ -132,17 +135,10 @@ _PAUSED_READ: Final = 1024
 
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
 
-#: A blocked queue with no descriptor to spare for ``add_writer`` (EMFILE)
-#: tries again after this long, doubling up to ``_POLL_MAX`` while it stays
-#: blocked: a few wake-ups a second at worst, and about one kernel buffer
-#: sent per poll.
-_POLL_MIN: Final = 0.001
-_POLL_MAX: Final = 0.05
-
 #: A queue that waits on a duplicate and sends nothing for between one and
 #: two of these (seconds) has a peer that stopped reading: once the process
-#: holds half its descriptor limit, it gives the duplicate back and polls,
-#: at _POLL_MAX, until the peer reads again or the queue is empty.
+#: holds half its descriptor limit, it gives the duplicate back and lends
+#: its bytes to the loop's transport (SlabTransport._lend).
 _STALLED_AFTER: Final = 1.0
 
 
@@ -259,17 +255,20 @@ class _LoopResources:
 
     def give_back_all(self) -> None:
         """The descriptor table is half full: every queue that waits on a
-        duplicate gives it back and polls (a burst of connections whose
-        queues all block must not take the descriptors accept() needs)."""
+        duplicate gives it back and lends its bytes to the loop's transport
+        (a burst of connections whose queues all block must not take the
+        descriptors accept() needs)."""
         for tr in list(self.blocked):
             tr._give_back_stalled()
 
     def _sweep_blocked(self, loop: asyncio.AbstractEventLoop) -> None:
         """A queue that sent nothing for a whole period has a peer that
         does not read. Once the process holds half its descriptor limit,
-        such a queue's duplicate goes back (it polls), so that a server's
-        stalled readers hold one descriptor each, as asyncio's; below that
-        it keeps it (polling costs CPU, a duplicate nothing)."""
+        such a queue's duplicate goes back (its bytes are lent to the loop's
+        transport), so that a server's stalled readers hold one descriptor
+        each, as asyncio's; below that it keeps it (lent bytes are copied
+        on the asyncio loop of 3.11, and what is written meanwhile waits
+        until they are all sent; a duplicate costs neither)."""
         self._sweeping = False
         blocked = self.blocked
         stalled = []
@@ -707,7 +706,7 @@ class SlabTransport(WriteGate):
     # is a slot of asyncio's _FlowControlMixin, under WriteGate.)
     __slots__ = (
         "_proto", "_raw", "_pool", "_iterations", "_state", "_closing", "_out", "_fd",
-        "_ino", "_dup", "_send_open", "_waiting_writable", "_poll", "_poll_delay",
+        "_ino", "_dup", "_send_open", "_waiting_writable", "_lending",
         "_flush_scheduled", "_corked", "_corked_pieces", "_eof_sent", "_error", "_raw_gone",
         "_sent_in", "_outliving", "_send_deferred", "_res", "_stalled",
         "__weakref__",  # (as the loops' transports)
@@ -734,10 +733,11 @@ class SlabTransport(WriteGate):
         self._dup: _Duplicate | None = None
         self._send_open = True  # False once the send side is closed for good
         self._waiting_writable = False
-        self._poll: asyncio.TimerHandle | None = None  # EMFILE: polling instead
-        self._poll_delay = _POLL_MIN
-        # The queue stalled on a duplicate, which went back: it polls until
-        # the peer reads again or it is empty (_give_back_stalled).
+        # No descriptor to wait on: the loop's transport holds the queue's
+        # bytes (_lend) until it has sent them all (_lent_drained).
+        self._lending = False
+        # The queue may not wait on a duplicate (refused, or given back by
+        # the sweep) until the loop's transport has sent what was lent.
         self._stalled = False
         self._flush_scheduled = False
         # The iteration of the last small write sent at once, or
@@ -1077,6 +1077,8 @@ class SlabTransport(WriteGate):
         self._corked = 0
         self._corked_pieces = 0
         out = self._out
+        if self._lending:
+            return  # (nothing may go out before the lent bytes: _lent_drained)
         if not self._send_open or (out and not self._send_queued()):
             return
         if out:
@@ -1137,10 +1139,13 @@ class SlabTransport(WriteGate):
     def _wait_writable(self, outlive: bool = False) -> None:
         """The kernel is full: call ``_flush`` again once it can take more.
         (``outlive``: the duplicate is to hold the connection after the
-        loop's transport closes, so it is kept in a crowded table too.)"""
+        loop's transport closes, so it is kept in a crowded table too; so it
+        is once that transport is closing, which may end before it could
+        send bytes lent to it.)"""
         if self._waiting_writable:
             return
         self._waiting_writable = True
+        outlive = outlive or self._raw.is_closing()
         # What waits may be gathered writes: regions of the loop's shared
         # pool, which the other connections' writes fill meanwhile.
         self._out.own_pooled()
@@ -1157,24 +1162,61 @@ class SlabTransport(WriteGate):
                     self._dup = _Duplicate(fd)
                 else:
                     os.close(fd)
-                    self._stalled = True  # (no duplicate until the queue empties)
+                    self._stalled = True
                     self._res.give_back_all()
         if self._dup is not None:
             self._loop.add_writer(self._dup.fileno(), self._flush)
             self._res.watch(self, self._loop)
             return
-        self._poll = self._loop.call_later(self._poll_delay, self._poll_writable)
+        self._lend()
+
+    def _lend(self) -> None:
+        """No descriptor to wait on: hand every queued byte to the loop's
+        transport, which waits on its own descriptor, and take the queue
+        back once it has sent them all (``SlabProtocol.resume_writing``).
+        Writes made meanwhile queue behind them here, and requests complete
+        then: nothing polls, and the connection keeps one descriptor. (The
+        queue is taken back from a callback of its own, never from inside
+        the loop's transport's: a close() made there would end that
+        transport twice on the asyncio loop.)"""
+        raw = self._raw
+        self._lending = True
+        # (Limits of 0: it tells its protocol of the first byte it holds,
+        # pause_writing, and of its buffer becoming empty, resume_writing.)
+        raw.set_write_buffer_limits(0, 0)
+        try:
+            for view in self._out.lend():
+                # (Not writelines(): the asyncio loop's, from 3.12 on, never
+                # tells its protocol to pause, so it would never resume.)
+                raw.write(view)
+        except Exception as exc:  # (closed meanwhile: uvloop refuses)
+            self._abort(ConnectionResetError(f"the loop's transport refused the queue: {exc}"))
+            return
+        if not raw.get_write_buffer_size():
+            self._loop.call_soon(self._lent_drained)  # it took them all at once
+
+    def _lent_drained(self) -> None:
+        """The loop's transport has sent every byte lent to it (a peer that
+        reads): what was queued since goes now, and the next wait may take a
+        duplicate again."""
+        if not self._lending or self._raw.get_write_buffer_size():
+            return  # (aborted meanwhile, the queue dropped; or lent again)
+        self._lending = False
+        self._waiting_writable = False
+        self._stalled = False
+        self._out.repaid()
+        self._flush()  # (and an EOF or a close that waited for the queue)
 
     def _give_back_stalled(self) -> None:
         """The sweep saw this queue send nothing for a whole period, in a
-        crowded descriptor table: close the duplicate and poll instead, at
-        the slowest rate, until the peer reads again or the queue is empty.
-        (Not once the loop's transport is closing: the duplicate may be
-        what holds the connection then.)"""
+        crowded descriptor table: close the duplicate and lend the queue to
+        the loop's transport until it has sent it all. (Not once the loop's
+        transport is closing: the duplicate may be what holds the
+        connection then.)"""
         self._res.blocked.pop(self, None)
         dup = self._dup
         if (
-            dup is None or not self._waiting_writable or self._poll is not None
+            dup is None or not self._waiting_writable or self._lending
             or self._raw_gone or self._raw.is_closing()
         ):
             return
@@ -1182,44 +1224,22 @@ class SlabTransport(WriteGate):
         dup.close()
         self._dup = None
         self._stalled = True
-        self._poll_delay = _POLL_MAX
-        self._poll = self._loop.call_later(_POLL_MAX, self._poll_writable)
-
-    def _poll_writable(self) -> None:
-        self._poll = None
-        self._waiting_writable = False
-        before = self._out.sent_total
-        self._flush()
-        # Poll briskly while the peer takes bytes; back off while it takes none.
-        if self._out.sent_total > before:
-            self._poll_delay = _POLL_MIN
-            if self._stalled:
-                # The stalled peer reads again: wait on a duplicate again
-                # (woken as the kernel takes more, not once a millisecond).
-                self._stalled = False
-                if self._poll is not None:  # (still blocked: polling again)
-                    self._poll.cancel()
-                    self._poll = None
-                    self._waiting_writable = False
-                    self._wait_writable()
-        else:
-            self._poll_delay = min(2 * self._poll_delay, _POLL_MAX)
+        self._lend()
 
     def _stop_waiting(self) -> None:
         """The queue is empty, or the send side closed: stop waiting and
         give back the duplicate, unless it still has a queue to carry after
-        the loop closed its transport."""
+        the loop closed its transport. (Bytes lent to the loop's transport
+        stay there: it sends them, or an abort drops them.)"""
         if self._waiting_writable:
             self._waiting_writable = False
-            if self._poll is not None:
-                self._poll.cancel()
-                self._poll = None
+            if self._lending:
+                self._lending = False
             else:
                 # (Before the close: epoll forgets a descriptor only while
                 # it is open, and this one shares its socket with the loop's.)
                 assert self._dup is not None
                 self._loop.remove_writer(self._dup.fileno())
-        self._poll_delay = _POLL_MIN
         if not self._out:
             self._stalled = False
         if self._dup is not None:
@@ -1230,8 +1250,9 @@ class SlabTransport(WriteGate):
 
     def _send_eof(self) -> None:
         """Shut our direction down; raises what the shutdown raises. The
-        loop's transport never wrote, so it shuts down at once (uvloop:
-        once libuv's empty write queue is done)."""
+        loop's transport holds nothing to write by now (what was lent to it
+        was sent before the queue emptied), so it shuts down at once
+        (uvloop: once libuv's empty write queue is done)."""
         self._eof_sent = True
         if not self._raw.is_closing():
             self._raw.write_eof()
@@ -1242,10 +1263,11 @@ class SlabTransport(WriteGate):
         """The loop closed its transport with our bytes still queued: send them.
 
         ``Server.close_clients()`` (3.13), or anything else that calls
-        ``close()`` on the loop's transport, ends it at once: that transport
-        never wrote, so it has nothing to flush. The duplicate descriptor
-        that a waiting queue holds (taken now if the queue was polling)
-        keeps the connection itself open, so what slabnet queued still goes
+        ``close()`` on the loop's transport, ends it once it has flushed what
+        it holds, which is at most the bytes lent to it (``_lend``): the
+        rest of slabnet's queue is not its. The duplicate descriptor that a
+        waiting queue holds (taken now if it had none) keeps the connection
+        itself open, so what slabnet queued still goes
         out on it, as asyncio's own transport flushes before it closes; then
         the duplicate is closed (``_maybe_close_raw``) and the connection is
         lost for good. True if the loss is deferred until then. Only a
@@ -1256,13 +1278,17 @@ class SlabTransport(WriteGate):
         """
         if not self._send_open:
             return False
+        if self._lending:
+            if self._raw.get_write_buffer_size():
+                return False  # (lent bytes it did not send are lost with it)
+            self._lent_drained()  # (before the callback that would: now)
         self._flush()
         if not self._out or not self._send_open:
             return False
         if self._dup is None:
-            # Polling: no descriptor was free for a duplicate. Try again now
-            # (the loop's is still open until this returns); if there is
-            # still none, the queue cannot outlive it and is lost with it.
+            # No descriptor was free for a duplicate. Try again now (the
+            # loop's is still open until this returns); if there is still
+            # none, the queue cannot outlive it and is lost with it.
             self._stop_waiting()
             self._stalled = False  # (a duplicate now, however slow the peer)
             self._wait_writable(outlive=True)
@@ -1694,11 +1720,15 @@ class SlabProtocol(asyncio.BufferedProtocol):
     def deliver_now(self, chunk: memoryview) -> None:
         self._deliver(chunk)
 
-    def pause_writing(self) -> None:  # the loop transport never writes
+    def pause_writing(self) -> None:
+        # The loop's transport holds bytes lent to it (SlabTransport._lend);
+        # resume_writing tells when it has sent them all.
         pass
 
     def resume_writing(self) -> None:
-        pass
+        tr = self._transport
+        if tr is not None and tr._lending:
+            self.loop.call_soon(tr._lent_drained)
 
     # ------------------------------------------------ reading control
     # (SlabTransport's pause_reading/resume_reading/is_reading)

@@ -160,7 +160,7 @@ class OutQueue:
 
     __slots__ = (
         "_bufs", "_tail", "_run", "_run_start", "_run_end", "pooled", "queued", "sent_total",
-        "end", "error", "_requests",
+        "end", "error", "_requests", "lent",
     )
 
     def __init__(self) -> None:
@@ -175,6 +175,7 @@ class OutQueue:
         self._run_end = 0
         self.pooled = False  # a view of the shared write pool may be queued
         self.queued = 0  # bytes waiting
+        self.lent = 0  # of them, handed to another transport to send (lend)
         self.sent_total = 0  # bytes handed to the kernel, ever
         self.end = 0  # stream position after the last queued byte
         self.error: BaseException | None = None  # what dropped the queue (fail)
@@ -323,19 +324,43 @@ class OutQueue:
     def sent(self, nbytes: int) -> bool:
         """Record that the kernel took ``nbytes`` of ``buffers()``; True if
         the queue is empty."""
-        self.queued -= nbytes
-        self.sent_total += nbytes
         bufs = self._bufs
-        while nbytes:
+        left = nbytes
+        while left:
             assert bufs is not None
             head = bufs[0]
             size = head.nbytes
-            if nbytes >= size:
+            if left >= size:
                 bufs.popleft()
-                nbytes -= size
+                left -= size
             else:
-                bufs[0] = head[nbytes:]
+                bufs[0] = head[left:]
                 break
+        return self._advance(nbytes)
+
+    def lend(self) -> list[memoryview]:
+        """Every buffer queued, for another transport to send, in order.
+        Their bytes still count as queued (``queued``, ``lent``) and their
+        requests stay pending until ``repaid()``; what is queued meanwhile
+        goes after them."""
+        if self._run is not None:
+            self._seal_run()
+        if self._tail is not None:
+            self._seal()
+        bufs = self._bufs
+        self._bufs = None
+        self.lent = self.queued
+        return list(bufs) if bufs else []
+
+    def repaid(self) -> bool:
+        """The other transport sent every lent byte; True if the queue is empty."""
+        n = self.lent
+        self.lent = 0
+        return self._advance(n)
+
+    def _advance(self, nbytes: int) -> bool:
+        self.queued -= nbytes
+        self.sent_total += nbytes
         reqs = self._requests
         if reqs:
             k = bisect.bisect_right(reqs, self.sent_total, key=_end_of)
@@ -356,6 +381,7 @@ class OutQueue:
         self._tail = None
         self._run = None
         self.queued = 0
+        self.lent = 0
         reqs = self._requests
         self._requests = None
         for req in reqs or ():

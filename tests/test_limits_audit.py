@@ -263,7 +263,8 @@ async def test_start_tls_with_no_descriptor_free_matches_asyncio(
 ) -> None:
     """An upgrade needs no descriptor: start_tls() on a Unix stream with
     none free completes, and 4 MiB (more than the socket holds, so the
-    queue waits, polling for want of a duplicate) go through it whole."""
+    queue waits, lent to the loop's transport for want of a duplicate) go
+    through it whole."""
     payload = os.urandom(4 << 20)
 
     async def scenario(impl: ModuleType, where: str) -> list[Any]:
