@@ -240,12 +240,8 @@ async def test_one_descriptor_per_connection_even_at_the_limit(listener: socket.
 async def test_a_connection_holds_one_descriptor_and_a_second_only_while_blocked(
     listener: socket.socket,
 ) -> None:
-    port = listener.getsockname()[1]
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     baseline = open_fds()
-    reader, writer = await slabnet.open_connection("127.0.0.1", port)
-    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    peer = await accept(listener)
+    writer, peer = await _blocking_pair(listener)
     assert open_fds() == baseline + 2  # ours and the peer's: one each
     payload = os.urandom(256 * 1024)
     req = writer.write(payload)
@@ -271,16 +267,11 @@ async def test_a_queue_whose_peer_stopped_reading_gives_its_second_descriptor_ba
     asyncio's serves about 250. Now, once the process holds half its limit,
     a queue that sent nothing between two sweeps (one a second) gives the
     duplicate back and lends its bytes to the loop's transport; below that
-    it keeps it.
-    When the peer reads again every byte still comes, in order. (The sweep
-    is called here, as its timer calls it.)"""
+    it keeps it. When the peer reads again every byte still comes, in
+    order. (The sweep is called here, as its timer calls it.)"""
     loop = asyncio.get_running_loop()
-    port = listener.getsockname()[1]
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     baseline = open_fds()
-    reader, writer = await slabnet.open_connection("127.0.0.1", port)
-    writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
-    peer = await accept(listener)
+    writer, peer = await _blocking_pair(listener)
     payload = os.urandom(1024 * 1024)
     req = writer.write(payload)
     assert req is not None
