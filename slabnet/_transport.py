@@ -1180,7 +1180,14 @@ class SlabTransport(WriteGate):
         the loop's transport's: a close() made there would end that
         transport twice on the asyncio loop.)"""
         raw = self._raw
-        self._lending = True
+        self._lending = True  # (so an abort below stops waiting cleanly)
+        if raw.is_closing():
+            # (It may drop writes now, the asyncio loop's silently, and it
+            # will not carry the queue past its close: nor can we, with no
+            # descriptor of our own.)
+            self._abort(ConnectionResetError(
+                "no descriptor to carry the queue while the loop closes the connection"))
+            return
         # (Limits of 0: it tells its protocol of the first byte it holds,
         # pause_writing, and of its buffer becoming empty, resume_writing.)
         raw.set_write_buffer_limits(0, 0)

@@ -237,6 +237,39 @@ async def test_one_descriptor_per_connection_even_at_the_limit(listener: socket.
 
 
 @pytest.mark.asyncio
+async def test_a_write_while_the_loop_closes_with_no_descriptor_free_is_never_a_lie(
+    listener: socket.socket,
+) -> None:
+    """The loop has started closing its transport (Server.close_clients())
+    when a write blocks, and no descriptor is free for a duplicate to carry
+    the queue past that close. Lending it to the closing transport lost it
+    on the asyncio loop (a closing transport drops writes silently) and its
+    request still completed. Now the request completes only if the peer got
+    every byte; else it raises."""
+    writer, peer = await _blocking_pair(listener)
+    tr = writer.transport
+    taken = _take_every_descriptor()
+    try:
+        tr._raw.close()
+        payload = os.urandom(256 * 1024)
+        req = writer.write(payload)
+        try:
+            if req is not None:
+                await asyncio.wait_for(req, WAKE)
+        except ConnectionError:
+            pass  # (told: the bytes did not all go)
+        else:
+            assert await recv_exactly(peer, len(payload), WAKE) == payload
+    finally:
+        for fd in taken:
+            os.close(fd)
+    writer.close()
+    with contextlib.suppress(ConnectionError):
+        await asyncio.wait_for(writer.wait_closed(), WAKE)
+    peer.close()
+
+
+@pytest.mark.asyncio
 async def test_a_connection_holds_one_descriptor_and_a_second_only_while_blocked(
     listener: socket.socket,
 ) -> None:
