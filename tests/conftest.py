@@ -27,13 +27,14 @@ import faulthandler
 import fcntl
 import gc
 import os
+import resource
 import socket
 import ssl
 import struct
 import sys
 import termios
 import time
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import Any
 
 import pytest
@@ -168,6 +169,27 @@ def openssl_like(exc: BaseException) -> tuple[Any, ...]:
     ``library``, ``errno``, and whether ``str()`` starts "[SSL: REASON] "."""
     assert isinstance(exc, ssl.SSLError), repr(exc)
     return exc.reason, exc.library, exc.errno, str(exc).startswith(f"[SSL: {exc.reason}] ")
+
+
+@contextlib.contextmanager
+def lowest_free_in_the_upper_half() -> Iterator[None]:
+    """A soft limit with the lowest free descriptor in its last quarter,
+    and descriptors to spare above it: slabnet refuses a blocked queue a
+    duplicate there (it lends the queue to the loop's transport)."""
+    old = resource.getrlimit(resource.RLIMIT_NOFILE)
+    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
+    fillers: list[int] = []
+    try:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, old[1]))
+        while (fd := os.open(os.devnull, os.O_RDONLY)) <= highest:
+            fillers.append(fd)  # (the gaps below the highest)
+        os.close(fd)
+        assert highest + 1 >= (highest + 8) // 2
+        yield
+    finally:
+        for fd in fillers:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, old)
 
 
 def hard_close(sock: socket.socket) -> None:

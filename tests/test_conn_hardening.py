@@ -21,7 +21,8 @@ import pytest
 
 import slabnet
 from conftest import (
-    Boom, Handler, RawTLS, client_ctx, fds_settle, hard_close, open_fds, recv_exactly, server_ctx,
+    Boom, Handler, RawTLS, client_ctx, fds_settle, hard_close, lowest_free_in_the_upper_half,
+    open_fds, recv_exactly, server_ctx,
 )
 
 WAKE = 3.0  # seconds any waiter may take to wake after a fault
@@ -341,26 +342,6 @@ async def test_a_queue_whose_peer_stopped_reading_gives_its_second_descriptor_ba
     assert await fds_settle(baseline) <= baseline
 
 
-@contextlib.contextmanager
-def _lowest_free_in_the_upper_half() -> Iterator[None]:
-    """A soft limit with the lowest free descriptor in its last quarter,
-    and descriptors to spare above it: a duplicate would be refused."""
-    old = resource.getrlimit(resource.RLIMIT_NOFILE)
-    highest = max(int(fd) for fd in os.listdir("/proc/self/fd"))
-    fillers: list[int] = []
-    try:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (highest + 8, old[1]))
-        while (fd := os.open(os.devnull, os.O_RDONLY)) <= highest:
-            fillers.append(fd)  # (the gaps below the highest)
-        os.close(fd)
-        assert highest + 1 >= (highest + 8) // 2
-        yield
-    finally:
-        for fd in fillers:
-            os.close(fd)
-        resource.setrlimit(resource.RLIMIT_NOFILE, old)
-
-
 async def _blocking_pair(listener: socket.socket) -> tuple[Any, socket.socket]:
     """A slabnet writer and its peer's socket, both with small buffers."""
     port = listener.getsockname()[1]
@@ -380,7 +361,7 @@ async def test_no_duplicate_in_the_upper_half_of_the_descriptor_limit(
     transport, and every byte still goes out."""
     writer, peer = await _blocking_pair(listener)
     old = resource.getrlimit(resource.RLIMIT_NOFILE)
-    with _lowest_free_in_the_upper_half():
+    with lowest_free_in_the_upper_half():
         payload = os.urandom(256 * 1024)
         req = writer.write(payload)
         assert req is not None
@@ -422,7 +403,7 @@ async def test_a_queue_with_no_descriptor_to_wait_on_is_not_woken_while_its_peer
         flush(self)
 
     writer, peer = await _blocking_pair(listener)
-    with _lowest_free_in_the_upper_half():
+    with lowest_free_in_the_upper_half():
         payload = os.urandom(256 * 1024)
         req = writer.write(payload)
         assert req is not None and writer.transport._dup is None
@@ -452,7 +433,7 @@ async def test_a_lent_queue_ends_as_asked(listener: socket.socket, end: str) -> 
     loop = asyncio.get_running_loop()
     reported: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _, context: reported.append(context))
-    with _lowest_free_in_the_upper_half():
+    with lowest_free_in_the_upper_half():
         payload = os.urandom(256 * 1024)
         req = writer.write(payload)
         assert req is not None and writer.transport._lending
@@ -514,7 +495,7 @@ async def test_a_tls_server_refused_duplicates_sends_every_byte(
         except BaseException as exc:
             done.set_exception(exc)
 
-    with _lowest_free_in_the_upper_half():
+    with lowest_free_in_the_upper_half():
         server = await slabnet.start_server(
             handler, "127.0.0.1", 0, ssl=server_ctx(server_cert))
         port = server.sockets[0].getsockname()[1]

@@ -11,6 +11,7 @@ from a read-only view of a mutable buffer are the bytes of ``write()`` time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import itertools
 import logging
@@ -27,7 +28,10 @@ import pytest_asyncio
 
 import slabnet
 from slabnet._transport import _PAUSED_READ
-from conftest import RawTLS, client_ctx, fds_settle, hard_close, open_fds, recv_exactly, server_ctx, wait_acked
+from conftest import (
+    RawTLS, client_ctx, fds_settle, hard_close, lowest_free_in_the_upper_half, open_fds,
+    recv_exactly, server_ctx, wait_acked,
+)
 
 WAKE = 5.0  # seconds any wait may take before the test fails
 SMALL_BUF = 16 * 1024  # SO_SNDBUF / SO_RCVBUF where a test needs a backlog
@@ -288,19 +292,27 @@ async def backlogged_connection(
 
 async def check_graceful_end_of_loop_transport(
     close: Any, tls: bool, tls_server_context: ssl.SSLContext,
-    tls_client_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext, crowded: bool = False,
 ) -> None:
+    """``crowded``: with no duplicate descriptor allowed, so the queue
+    waits lent to the loop's transport when that transport is closed."""
     baseline = open_fds()
-    server, closed, reader, writer, server_writer = await backlogged_connection(
-        tls, tls_server_context, tls_client_context
-    )
-    backlog = server_writer.transport.get_write_buffer_size()
-    assert backlog > PAYLOAD // 2, backlog  # most of it waits in slabnet's queue
-    close(server, server_writer)
-    data, exc = await read_to_end(reader)
-    assert exc is None, exc
-    assert len(data) == PAYLOAD
-    await asyncio.wait_for(closed, WAKE)
+    with lowest_free_in_the_upper_half() if crowded else contextlib.nullcontext():
+        server, closed, reader, writer, server_writer = await backlogged_connection(
+            tls, tls_server_context, tls_client_context
+        )
+        backlog = server_writer.transport.get_write_buffer_size()
+        assert backlog > PAYLOAD // 2, backlog  # most of it waits in slabnet's queue
+        lower = getattr(server_writer.transport, "_lower", server_writer.transport)
+        assert lower._lending == crowded
+        tail = server_writer.write(b"tail")  # (behind it, in slabnet's queue)
+        close(server, server_writer)
+        data, exc = await read_to_end(reader)
+        assert exc is None, exc
+        assert len(data) == PAYLOAD + 4 and data.endswith(b"tail")
+        await asyncio.wait_for(closed, WAKE)
+        if tail is not None:
+            await asyncio.wait_for(tail, WAKE)
     server_writer.write(b"late")  # dropped: the connection is gone
     writer.close()
     server.close()
@@ -309,10 +321,12 @@ async def check_graceful_end_of_loop_transport(
 
 
 @pytest.mark.skipif(sys.version_info < (3, 13), reason="Server.close_clients() is new in 3.13")
+@pytest.mark.parametrize("crowded", [False, True], ids=["", "crowded"])
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 @pytest.mark.asyncio
 async def test_close_clients_sends_the_queue_first(
     tls: bool, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+    crowded: bool,
 ) -> None:
     if type(asyncio.get_running_loop()).__module__.startswith("uvloop"):
         pytest.skip("uvloop's Server has no close_clients()")
@@ -321,21 +335,23 @@ async def test_close_clients_sends_the_queue_first(
         server.close_clients()
 
     await check_graceful_end_of_loop_transport(
-        close_clients, tls, tls_server_context, tls_client_context
+        close_clients, tls, tls_server_context, tls_client_context, crowded
     )
 
 
+@pytest.mark.parametrize("crowded", [False, True], ids=["", "crowded"])
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 @pytest.mark.asyncio
 async def test_closing_the_loop_transport_sends_the_queue_first(
     tls: bool, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+    crowded: bool,
 ) -> None:
     # What close_clients() does to each connection, on every version and loop.
     def close_raw(server: asyncio.Server, writer: slabnet.StreamWriter) -> None:
         getattr(writer.transport, "_lower", writer.transport)._raw.close()
 
     await check_graceful_end_of_loop_transport(
-        close_raw, tls, tls_server_context, tls_client_context
+        close_raw, tls, tls_server_context, tls_client_context, crowded
     )
 
 
