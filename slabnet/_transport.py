@@ -708,7 +708,7 @@ class SlabTransport(WriteGate):
         "_proto", "_raw", "_pool", "_iterations", "_state", "_closing", "_out", "_fd",
         "_ino", "_dup", "_send_open", "_waiting_writable", "_lending",
         "_flush_scheduled", "_corked", "_corked_pieces", "_eof_sent", "_error", "_raw_gone",
-        "_sent_in", "_outliving", "_send_deferred", "_res", "_stalled",
+        "_sent_in", "_outliving", "_send_deferred", "_res",
         "__weakref__",  # (as the loops' transports)
     )
 
@@ -734,11 +734,9 @@ class SlabTransport(WriteGate):
         self._send_open = True  # False once the send side is closed for good
         self._waiting_writable = False
         # No descriptor to wait on: the loop's transport holds the queue's
-        # bytes (_lend) until it has sent them all (_lent_drained).
+        # bytes (_lend) until it has sent them all (_lent_drained); the next
+        # wait after that may take a duplicate again.
         self._lending = False
-        # The queue may not wait on a duplicate (refused, or given back by
-        # the sweep) until the loop's transport has sent what was lent.
-        self._stalled = False
         self._flush_scheduled = False
         # The iteration of the last small write sent at once, or
         # _AFTER_READ or _REPLIED: the next one goes at once too (see write).
@@ -1150,7 +1148,7 @@ class SlabTransport(WriteGate):
         # pool, which the other connections' writes fill meanwhile.
         self._out.own_pooled()
         if (
-            self._dup is None and not self._stalled
+            self._dup is None
             and (not self._raw.is_closing() or self._fd_is_ours())
         ):
             try:
@@ -1162,7 +1160,6 @@ class SlabTransport(WriteGate):
                     self._dup = _Duplicate(fd)
                 else:
                     os.close(fd)
-                    self._stalled = True
                     self._res.give_back_all()
         if self._dup is not None:
             self._loop.add_writer(self._dup.fileno(), self._flush)
@@ -1210,7 +1207,6 @@ class SlabTransport(WriteGate):
             return  # (aborted meanwhile, the queue dropped; or lent again)
         self._lending = False
         self._waiting_writable = False
-        self._stalled = False
         self._out.repaid()
         self._flush()  # (and an EOF or a close that waited for the queue)
 
@@ -1230,7 +1226,6 @@ class SlabTransport(WriteGate):
         self._loop.remove_writer(dup.fileno())
         dup.close()
         self._dup = None
-        self._stalled = True
         self._lend()
 
     def _stop_waiting(self) -> None:
@@ -1247,8 +1242,6 @@ class SlabTransport(WriteGate):
                 # it is open, and this one shares its socket with the loop's.)
                 assert self._dup is not None
                 self._loop.remove_writer(self._dup.fileno())
-        if not self._out:
-            self._stalled = False
         if self._dup is not None:
             self._res.blocked.pop(self, None)  # (watched while it waits on one)
             if not self._out or not self._send_open:
@@ -1297,7 +1290,6 @@ class SlabTransport(WriteGate):
             # loop's is still open until this returns); if there is still
             # none, the queue cannot outlive it and is lost with it.
             self._stop_waiting()
-            self._stalled = False  # (a duplicate now, however slow the peer)
             self._wait_writable(outlive=True)
             if self._dup is None:
                 return False
