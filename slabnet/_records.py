@@ -220,11 +220,16 @@ class RecordScanner:
         """The error that stopped the scanner, if any."""
         return self._error
 
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
+    def feed(self, data: bytes | bytearray | memoryview, new_runs: int = -1) -> None:
         """Parse the headers that complete within the next `data` bytes.
 
         Raises ``TLSRecordError`` at the first invalid header; :attr:`fed` then
         counts only the bytes in front of it, and later calls raise it again.
+
+        `new_runs` >= 0 bounds the bookkeeping: parsing stops in front of the
+        header that would start run number `new_runs` + 1 of this call, and
+        :attr:`fed` then ends at that header (the caller feeds the rest,
+        from there, later).  A bulk stream, one record size, parses whole.
         """
         if self._error is not None:
             raise self._error
@@ -251,6 +256,8 @@ class RecordScanner:
         last_size = last[_SIZE] if last and last[_TYPE] == APPLICATION_DATA else -1
         parsed = 0
         probe = n >= _PROBE_MIN_BYTES
+        cap = len(runs) + new_runs if new_runs >= 0 else -1  # (-1: no bound)
+        stopped = False
         # The hot loop: one unpack, three tests and one increment a record.
         while pos + HEADER_SIZE <= stop:
             ctype, version, length = unpack_from(data, pos - base)
@@ -259,6 +266,9 @@ class RecordScanner:
                 if size == last_size:
                     last[_COUNT] += 1
                 else:
+                    if len(runs) == cap:
+                        stopped = True
+                        break
                     last = [pos, size, 1, APPLICATION_DATA]
                     runs.append(last)
                     last_size = size
@@ -278,6 +288,9 @@ class RecordScanner:
                         # than the records it looked at.
                         probe = run >= _PROBE_MIN_RUN
             else:
+                if len(runs) == cap:
+                    stopped = True
+                    break
                 self._parsed += parsed
                 parsed = 0
                 self._add(ctype, version, length, pos)
@@ -286,6 +299,9 @@ class RecordScanner:
                 last_size = -1
         self._parsed += parsed
         self._next_header = pos
+        if stopped:
+            self.fed = pos  # (a header boundary: nothing partial is kept)
+            return
         self.fed = stop
         if pos < stop:
             # A header starts in this piece but does not end in it.

@@ -31,7 +31,7 @@ from conftest import (
 )
 from slabnet._errors import TLSRecordError
 from slabnet._slab import LEND_SIZE
-from slabnet._tls import _LEND_LOW, LEND_PIECE, MAX_FRAGMENT, TLSEngine, TLSState
+from slabnet._tls import _LEND_LOW, _RUNS_AHEAD, LEND_PIECE, MAX_FRAGMENT, TLSEngine, TLSState
 
 TLS12 = ssl.TLSVersion.TLSv1_2
 TLS13 = ssl.TLSVersion.TLSv1_3
@@ -279,27 +279,35 @@ async def test_stream_tiny_records_arrive_in_few_chunks(
 
 @VERSIONS
 @SIDES
+@pytest.mark.parametrize("lead", [0, 3 * LEND_PIECE // 2], ids=["junk_first", "data_first"])
 def test_headers_of_a_read_are_parsed_only_as_they_reach_the_bio(
-    tls_ca: Any, server_cert: Any, version: ssl.TLSVersion, engine_server: bool
+    tls_ca: Any, server_cert: Any, version: ssl.TLSVersion, engine_server: bool, lead: int
 ) -> None:
-    # One 256 KiB read: a data record, then the headers of 0- and 1-byte
-    # records, alternating, so that each is a scanner run of its own (about
-    # 130 bytes of bookkeeping for 5 or 6 bytes of input). The scanner
-    # parsed a read's every header at once: a reader that paused after the
-    # data held 47,661 records' bookkeeping, 6.1 MB by tracemalloc, for as
-    # long as it stayed paused, and one that read on paused for their parse
-    # (25 ms) before OpenSSL refused the first. Headers are parsed as their
-    # bytes go into the BIO, a LEND_PIECE at a time; the rest of a read
-    # waits as the engine's copy of its bytes.
+    # One 256 KiB read: data records (`lead` bytes of 1 KiB records after
+    # the first), then the headers of 0- and 1-byte records, alternating, so
+    # that each is a scanner run of its own (about 130 bytes of bookkeeping
+    # for 5 or 6 bytes of input). The scanner parsed a read's every header
+    # at once: a reader that paused after the first chunk held 47,661
+    # records' bookkeeping, 6.1 MB by tracemalloc, for as long as it stayed
+    # paused, and one that read on paused for their parse (25 ms) before
+    # OpenSSL refused the first. Headers are parsed ahead of the BIO only
+    # while they start few runs (_RUNS_AHEAD): a bulk stream's read at once,
+    # junk as its bytes go in, a LEND_PIECE at a time; the rest of a read
+    # waits as the engine's copy of its bytes. "data_first" puts the junk
+    # beyond the first piece, where only that bound stops the parse.
     engine, peer = engine_pair(tls_ca, server_cert, version, engine_server=engine_server)
     peer.obj.write(b"first")
+    for _ in range(lead // 1024):
+        peer.obj.write(bytes(1024))
     wire = bytearray(peer.take())
+    data_records = 1 + lead // 1024
     i = 0
     while len(wire) < LEND_SIZE:
         wire += b"\x17\x03\x03\x00" + bytes([i % 2]) + bytes(i % 2)
         i += 1
-    # Records of 5 bytes or more, in what the BIO holds at most.
-    bound = (LEND_PIECE + _LEND_LOW) // 5
+    # Records of 5 bytes or more, in what the BIO holds at most, and the
+    # runs parsed ahead of it.
+    bound = data_records + (LEND_PIECE + _LEND_LOW) // 5 + _RUNS_AHEAD
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
@@ -310,15 +318,17 @@ def test_headers_of_a_read_are_parsed_only_as_they_reach_the_bio(
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert first is not None and bytes(first) == b"first"
+    assert first is not None and bytes(first[:5]) == b"first"
     scanner = engine._scanner
     assert scanner.records_consumed + scanner.buffered_records <= bound
     assert held <= 8 * len(wire), held  # (the read's copy, the BIO's records)
-    # Reading on: OpenSSL refuses the first junk record; only the BIO's
-    # records were parsed.
+    # Reading on: every data byte, then OpenSSL refuses the first junk
+    # record; only the BIO's records were parsed.
+    got = len(first)
     with pytest.raises(ssl.SSLError):
-        while engine.read_chunk() is not None:
-            pass
+        while (chunk := engine.read_chunk()) is not None:
+            got += len(chunk)
+    assert got == 5 + lead // 1024 * 1024
     assert scanner.records_consumed + scanner.buffered_records <= bound
     assert_final(engine, engine._error)
 
