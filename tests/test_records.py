@@ -93,6 +93,35 @@ def test_byte_by_byte() -> None:
     assert walk(sc, len(STREAM)) == KINDS
 
 
+@pytest.mark.parametrize("new_runs", range(len(RECORDS) + 1))
+def test_a_run_budget_stops_at_a_header_and_the_rest_parses_on(new_runs: int) -> None:
+    # (The engine parses lent data ahead of its BIO with a budget of runs:
+    # slabnet._tls._RUNS_AHEAD.) Every record of STREAM starts a run.
+    sc = RecordScanner()
+    sc.feed(STREAM, new_runs)
+    ends = [0]
+    for _, n in RECORDS:
+        ends.append(ends[-1] + HEADER_SIZE + n)
+    assert sc.fed == ends[min(new_runs, len(RECORDS))]
+    assert sc.buffered_records == min(new_runs, len(RECORDS))
+    sc.feed(memoryview(STREAM)[sc.fed :])
+    assert sc.fed == len(STREAM)
+    assert walk(sc, len(STREAM)) == KINDS
+
+
+def test_a_run_budget_takes_a_bulk_stream_whole() -> None:
+    bulk = record(APPLICATION_DATA, 1000) * 200 + record(APPLICATION_DATA, 10)
+    sc = RecordScanner()
+    sc.feed(bulk[:7])  # a header cut short, finished by the next feed
+    sc.feed(memoryview(bulk)[7:], 0)  # (the run that header starts is the last feed's)
+    last = len(bulk) - len(record(APPLICATION_DATA, 10))
+    assert sc.fed == last and sc.buffered_records == 200
+    sc.feed(memoryview(bulk)[last:], 0)  # no new run allowed: nothing parsed
+    assert sc.fed == last
+    sc.feed(memoryview(bulk)[last:], 1)
+    assert sc.fed == len(bulk) and sc.buffered_records == 201
+
+
 @pytest.mark.parametrize("cut", range(len(STREAM) + 1))
 def test_split_at_every_offset(cut: int) -> None:
     sc = RecordScanner()
