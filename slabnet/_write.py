@@ -65,7 +65,7 @@ class WriteRequest:
     itself, and the bytes stay queued for every other awaiter and later one.
     """
 
-    __slots__ = ("nbytes", "_end", "_queue", "_loop", "_exc", "_done", "_waiters")
+    __slots__ = ("nbytes", "_end", "_queue", "_loop", "_exc", "_tb", "_done", "_waiters")
 
     def __init__(
         self, nbytes: int, end: int, queue: OutQueue | None = None, loop: Any = None
@@ -81,6 +81,7 @@ class WriteRequest:
         # waiting on a future that this loop's thread completes.
         self._loop = loop
         self._exc: BaseException | None = None
+        self._tb: Any = None  # _exc's traceback when it finished us (see __await__)
         self._done = False
         # The futures of the awaits in progress: None until the first await
         # (most requests are never awaited), then a list.
@@ -110,6 +111,8 @@ class WriteRequest:
             return
         self._done = True
         self._exc = exc
+        if exc is not None:
+            self._tb = exc.__traceback__
         self._queue = None
         waiters = self._waiters
         if waiters:
@@ -143,7 +146,12 @@ class WriteRequest:
                 if waiters is not None and waiter in waiters:
                     waiters.remove(waiter)
         elif self._exc is not None:
-            raise self._exc
+            # With the traceback it had when it finished us, as a future
+            # re-raises its exception: a bare raise would add this await's
+            # frames to the traceback of an error that the connection
+            # keeps, so every await would keep its awaiter's frames, and
+            # their locals, for as long as the connection lived.
+            raise self._exc.with_traceback(self._tb)
 
     def __repr__(self) -> str:
         state = "done" if self._done else "pending"
