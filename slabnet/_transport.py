@@ -512,7 +512,12 @@ class WriteGate(_FlowControlBase):
             return
         try:
             getattr(app, name)()
-        except Exception as exc:  # an application bug: report, carry on
+        except (SystemExit, KeyboardInterrupt):
+            raise
+        except BaseException as exc:  # an application bug: report, carry on
+            # (CancelledError too, as the loops' transports do: out of
+            # write() it would reach a caller that cancelled nothing, and
+            # out of _flush() it would skip the close that waited for it.)
             self._loop.call_exception_handler({
                 "message": f"protocol.{name}() failed",
                 "exception": exc, "transport": self, "protocol": app,

@@ -1,6 +1,7 @@
 """The write path under cancellation and failure, on real sockets, on both
 loops: what an ``await`` of a ``WriteRequest`` leaves behind once it has
-raised.
+raised, and flow-control callbacks of the app that raise a BaseException
+that is not an exit (``CancelledError``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import pytest
 import pytest_asyncio
 
 import slabnet
+from conftest import Handler, client_ctx, server_ctx
 
 WAKE = 5.0  # seconds any wait may take before the test fails
 SMALL_BUF = 16 * 1024  # SO_SNDBUF / SO_RCVBUF: a write far larger must queue
@@ -127,3 +129,107 @@ async def test_a_failed_write_request_still_raises_its_own_error(
         await asyncio.wait_for(writer.wait_closed(), WAKE)
     finally:
         peer.close()
+
+
+# ------------------------------------------------ pause_writing()/resume_writing() that cancel
+
+
+class CancelsInFlowControl(asyncio.Protocol):
+    """An app whose ``pause_writing()`` or ``resume_writing()`` raises
+    CancelledError (say, the ``result()`` of a future that was cancelled)."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.calls: list[str] = []
+        self.transport: asyncio.Transport | None = None
+        self.made: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.lost: asyncio.Future[BaseException | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.get_extra_info("socket").setsockopt(
+            socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUF)
+        self.transport = transport
+        self.made.set_result(None)
+
+    def pause_writing(self) -> None:
+        self.calls.append("pause_writing")
+        if self.where == "pause_writing":
+            raise asyncio.CancelledError("the app's own")
+
+    def resume_writing(self) -> None:
+        self.calls.append("resume_writing")
+        if self.where == "resume_writing":
+            raise asyncio.CancelledError("the app's own")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost.set_result(exc)
+
+
+@pytest.mark.parametrize("where", ["pause_writing", "resume_writing"])
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_a_flow_control_callback_that_raises_cancelled_error_is_reported_and_ends_nothing(
+    server_cert: Any, tls_ca: Any, tls: bool, where: str,
+) -> None:
+    """asyncio's transports report any exception of ``pause_writing()`` or
+    ``resume_writing()`` but SystemExit and KeyboardInterrupt to the loop's
+    exception handler, and write on. slabnet's caught only Exception: a
+    CancelledError from ``pause_writing()`` came out of ``write()``, to a
+    caller that had cancelled nothing, and one from ``resume_writing()``
+    left the flush that had emptied the queue before the close() that
+    waited for it: the peer read every byte and then waited for the end
+    for good (until this test's 5 s). Now it is reported once, in asyncio's
+    words, and the connection goes on: every byte, then the end."""
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    reading = asyncio.Event()
+    got: asyncio.Future[bytes] = loop.create_future()
+
+    async def peer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reading.wait()
+        try:
+            got.set_result(await reader.read())
+        except Exception as exc:
+            got.set_exception(exc)
+        writer.close()
+
+    listening = socket.socket()
+    listening.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUF)
+    listening.bind(("127.0.0.1", 0))
+    server = await asyncio.start_server(
+        peer, sock=listening, ssl=server_ctx(server_cert) if tls else None)
+    app = CancelsInFlowControl(where)
+    kw: dict[str, Any] = {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
+    payload = os.urandom(PAYLOAD)
+    try:
+        async with asyncio.timeout(WAKE):
+            raw, _ = await loop.create_connection(
+                lambda: slabnet.SlabProtocol(app, **kw), *listening.getsockname())
+            await app.made
+        transport = app.transport
+        assert transport is not None
+        # (Resumed only once the queue is empty: by the flush that empties
+        # it, which is also the one that ends the connection after close().)
+        transport.set_write_buffer_limits(64 * 1024, 0)
+        try:
+            transport.write(payload)
+            transport.write(b"tail")
+            assert app.calls == ["pause_writing"]
+            transport.close()
+            reading.set()
+            async with asyncio.timeout(WAKE):
+                assert await got == payload + b"tail"
+                assert await app.lost is None
+        finally:
+            raw.abort()
+        assert app.calls == ["pause_writing", "resume_writing"]
+        assert [c["message"] for c in handler.contexts] == [f"protocol.{where}() failed"]
+        exc = handler.exceptions()[0]
+        assert isinstance(exc, asyncio.CancelledError) and exc.args == ("the app's own",)
+    finally:
+        server.close()
+        loop.set_exception_handler(None)
