@@ -78,7 +78,7 @@ from ._errors import (
 )
 from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import (
-    _AFTER_READ, _NOT_YET, CORK_LIMIT, SlabTransport, WriteGate, _as_bytes_view, _keep,
+    _AFTER_READ, _NOT_YET, CORK_LIMIT, EXITS, SlabTransport, WriteGate, _as_bytes_view, _keep,
     FEED, FEED_PAUSED, FEED_STOPPED, FEED_SWITCHED, _loop_resources, callback_name, chunk_deliverer,
     flow_limits,
 )
@@ -890,7 +890,9 @@ class TLSTransport(WriteGate):
             self._app_made = True
             try:
                 self._app.connection_made(self)
-            except Exception as exc:
+            except EXITS:
+                raise
+            except BaseException as exc:  # (CancelledError too: see EXITS)
                 self._app_failed(exc, "connection_made")
                 return
         waiter = self._waiter
@@ -957,7 +959,7 @@ class TLSTransport(WriteGate):
                 data = None
             else:
                 engine.lend_data(data)
-        app_error: Exception | None = None
+        app_error: BaseException | None = None
         failed_in = "chunk_received"
         try:
             while force or not self._reading_paused:
@@ -997,10 +999,7 @@ class TLSTransport(WriteGate):
                     # from the last chunk's callback.)
                     deliver = self._deliver
                     deliver(chunk)
-                except Exception as exc:
-                    app_error, failed_in = exc, callback_name(deliver)
-                    break
-                except BaseException:
+                except EXITS:
                     # KeyboardInterrupt, SystemExit: out of run_forever, as
                     # the loops let them out. What this read decrypted
                     # beyond the chunk would wait in the engine for the
@@ -1009,6 +1008,9 @@ class TLSTransport(WriteGate):
                     if not final:
                         self._loop.call_soon(self._pump)
                     raise
+                except BaseException as exc:  # (CancelledError too: see EXITS)
+                    app_error, failed_in = exc, callback_name(deliver)
+                    break
                 if isinstance(self._error, LocalAbortError):
                     return  # abort() from chunk_received: that was the last
         except Exception as exc:
@@ -1054,7 +1056,9 @@ class TLSTransport(WriteGate):
         # uvloop call eof_received() there as well, before connection_lost.
         try:
             keep_open = self._app.eof_received()
-        except Exception as exc:
+        except EXITS:
+            raise
+        except BaseException as exc:
             self._app_failed(exc, "eof_received")
             return
         if closing:
@@ -1102,7 +1106,7 @@ class TLSTransport(WriteGate):
             })
         self._abort(exc)
 
-    def _app_failed(self, exc: Exception, name: str, final: bool = False) -> None:
+    def _app_failed(self, exc: BaseException, name: str, final: bool = False) -> None:
         """The app's callback ``name`` raised: an application bug. Report it
         to the loop's exception handler (as the loops do for a protocol's
         ``data_received``) and end the connection with it."""

@@ -135,6 +135,13 @@ _PAUSED_READ: Final = 1024
 
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
 
+#: What an app's callback raises that is not its failure: these leave
+#: run_forever, as out of the loops' own callbacks. The loops' transports
+#: re-raise exactly these and take any other exception, CancelledError
+#: too, for the app's failure (reported, and the connection ends with it
+#: where it came from a data callback).
+EXITS: Final = (SystemExit, KeyboardInterrupt)
+
 #: A queue that waits on a duplicate and sends nothing for between one and
 #: two of these (seconds) has a peer that stopped reading: once the process
 #: holds half its descriptor limit, it gives the duplicate back and lends
@@ -512,7 +519,7 @@ class WriteGate(_FlowControlBase):
             return
         try:
             getattr(app, name)()
-        except (SystemExit, KeyboardInterrupt):
+        except EXITS:
             raise
         except BaseException as exc:  # an application bug: report, carry on
             # (CancelledError too, as the loops' transports do: out of
@@ -1453,13 +1460,14 @@ class _BufferFiller:
                 self.calling = "buffer_updated"
                 protocol.buffer_updated(n)
             except BaseException as exc:
-                # An Exception ends the connection (the owner reports it).
-                # KeyboardInterrupt, SystemExit leave run_forever, as from
-                # the loops' own callbacks, and the connection lives on: the
-                # rest of the chunk waits in the owner, first once the loop
-                # runs again (the loops would not have read it yet).
+                # Any other exception ends the connection (the owner
+                # reports it). KeyboardInterrupt, SystemExit (EXITS) leave
+                # run_forever, as from the loops' own callbacks, and the
+                # connection lives on: the rest of the chunk waits in the
+                # owner, first once the loop runs again (the loops would not
+                # have read it yet).
                 rest = chunk[n:] if self.calling == "buffer_updated" else chunk
-                if not isinstance(exc, Exception) and rest and owner.feed_state(protocol) != FEED_STOPPED:
+                if isinstance(exc, EXITS) and rest and owner.feed_state(protocol) != FEED_STOPPED:
                     owner.hold_rest(memoryview(rest.tobytes()))  # (chunks may be lent)
                 raise
             chunk = chunk[n:]
@@ -1626,13 +1634,13 @@ class SlabProtocol(asyncio.BufferedProtocol):
                 deliver(self._slab.consume(nbytes))
             else:
                 deliver(self._slab.commit(nbytes))
-        except Exception as exc:
-            self._app_failed(exc, callback_name(deliver))
-        except BaseException:
+        except EXITS:
             # KeyboardInterrupt, SystemExit from an asyncio BufferedProtocol
             # part of the way through the read: its filler holds the rest.
             self._release_soon()
             raise
+        except BaseException as exc:  # (CancelledError too: see EXITS)
+            self._app_failed(exc, callback_name(deliver))
 
     def eof_received(self) -> bool | None:
         tr = self._transport
@@ -1647,7 +1655,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
         else:
             try:
                 self._deliver_eof(tr)
-            except Exception as exc:  # (as in buffer_updated)
+            except EXITS:
+                raise
+            except BaseException as exc:  # (as in buffer_updated)
                 self._app_failed(exc, "eof_received")
         return True  # the loop's transport stays: our close() ends it
 
@@ -1815,10 +1825,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
             deliver = self._deliver
             try:
                 deliver(held)
-            except Exception as exc:
-                self._app_failed(exc, callback_name(deliver))
-                return
-            except BaseException:
+            except EXITS:
                 # KeyboardInterrupt, SystemExit: out of run_forever, as the
                 # loops let them out of their own callbacks. The rest (what
                 # a BufferedProtocol's filler held again, the held EOF, the
@@ -1826,11 +1833,16 @@ class SlabProtocol(asyncio.BufferedProtocol):
                 # socket would stay paused for good.
                 self._release_soon()
                 raise
+            except BaseException as exc:  # (as in buffer_updated)
+                self._app_failed(exc, callback_name(deliver))
+                return
         if self._eof_held and not self._paused:
             self._eof_held = False
             try:
                 self._deliver_eof(self._transport)
-            except Exception as exc:
+            except EXITS:
+                raise
+            except BaseException as exc:
                 self._app_failed(exc, "eof_received")
             return
         if not self._paused and self._socket_paused:
@@ -1875,7 +1887,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         assert self._raw is not None
         self._raw.abort()
 
-    def _app_failed(self, exc: Exception, name: str) -> None:
+    def _app_failed(self, exc: BaseException, name: str) -> None:
         """The upper protocol's ``name`` callback, called by us, raised: an
         application bug, reported once; the connection ends with it."""
         self.loop.call_exception_handler({

@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 
 import slabnet
-from conftest import Handler, client_ctx, server_ctx
+from conftest import Handler, RawTLS, client_ctx, server_ctx, wait_acked
 
 WAKE = 5.0  # seconds any wait may take before the test fails
 SMALL_BUF = 16 * 1024  # SO_SNDBUF / SO_RCVBUF: a write far larger must queue
@@ -61,6 +61,16 @@ async def blocked_writer(
 
 class Payload(bytearray):
     """An awaiter's own buffer (weakly referenceable)."""
+
+
+async def peer_sees_the_end(sock: socket.socket) -> None:
+    """Read (and drop) until the connection ends: FIN or RST."""
+    loop = asyncio.get_running_loop()
+    try:
+        while await loop.sock_recv(sock, 65536):
+            pass
+    except ConnectionResetError:
+        pass
 
 
 def traceback_length(exc: BaseException) -> int:
@@ -233,3 +243,152 @@ async def test_a_flow_control_callback_that_raises_cancelled_error_is_reported_a
     finally:
         server.close()
         loop.set_exception_handler(None)
+
+
+# ------------------------------------------------ a data callback that cancels
+
+
+class CancelsOnSecondData(asyncio.Protocol):
+    """Pauses reading on its first bytes; raises CancelledError (its own,
+    say the ``result()`` of a cancelled future) on the next ones."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.transport: asyncio.Transport | None = None
+        self.events: list[object] = []
+        self.first: asyncio.Future[None] = loop.create_future()
+        self.lost: asyncio.Future[BaseException | None] = loop.create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.events.append(len(data))
+        if not self.first.done():
+            assert self.transport is not None
+            self.transport.pause_reading()
+            self.first.set_result(None)
+            return
+        raise asyncio.CancelledError("the app's own")
+
+    def eof_received(self) -> None:
+        self.events.append("eof")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.events.append("lost")
+        self.lost.set_result(exc)
+
+
+class CancelsOnSecondBuffer(CancelsOnSecondData, asyncio.BufferedProtocol):
+    """The same, as a BufferedProtocol with 100-byte buffers."""
+
+    def get_buffer(self, sizehint: int) -> bytearray:
+        self.buf = bytearray(100)
+        return self.buf
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.data_received(bytes(self.buf[:nbytes]))
+
+
+@pytest.mark.parametrize("cls", [CancelsOnSecondData, CancelsOnSecondBuffer])
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_a_data_callback_that_raises_cancelled_error_ends_the_connection_with_it(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, tls: bool, cls: type,
+) -> None:
+    """The loops' transports re-raise only SystemExit and KeyboardInterrupt
+    from ``data_received()``/``buffer_updated()``; any other exception,
+    CancelledError too, is the app's failure: reported once, and the
+    connection ends with it (``connection_lost(exc)``). slabnet treated
+    every BaseException as an exit: raised in the delivery of bytes that
+    came while reading was paused, it escaped to the loop as a callback's
+    error and the connection lived on (the app got the EOF and a clean
+    connection_lost(None) later); from a BufferedProtocol, the rest of the
+    read was delivered again and again, each call raising and reported,
+    and the peer never saw the end."""
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    app = cls()
+    kw: dict[str, Any] = {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
+    try:
+        async with asyncio.timeout(WAKE):
+            opening = asyncio.ensure_future(loop.create_connection(
+                lambda: slabnet.SlabProtocol(app, **kw), *listener.getsockname()))
+            sock, _ = await loop.sock_accept(listener)
+            sock.setblocking(False)
+            peer = RawTLS(sock, server_ctx(server_cert), server_side=True) if tls else None
+            if peer is not None:
+                await peer.handshake()
+            raw, _ = await opening
+            wire = peer.seal if peer is not None else (lambda data: data)
+            await loop.sock_sendall(sock, wire(b"a" * 10))
+            await app.first  # reading is paused now
+            await loop.sock_sendall(sock, wire(b"b" * 1000))
+            await wait_acked(sock, WAKE)
+            for _ in range(4):  # (the loop reads them, if it reads meanwhile)
+                await asyncio.sleep(0)
+            assert app.transport is not None
+            app.transport.resume_reading()
+            exc = await app.lost
+            await peer_sees_the_end(sock)
+        assert isinstance(exc, asyncio.CancelledError) and exc.args == ("the app's own",)
+        assert [c.get("exception") for c in handler.contexts] == [exc]
+        name = "data_received" if cls is CancelsOnSecondData else "buffer_updated"
+        assert handler.contexts[0]["message"] == f"slabnet: protocol.{name}() failed"
+        assert app.events == [10, 1000 if cls is CancelsOnSecondData else 100, "lost"]
+    finally:
+        loop.set_exception_handler(None)
+        if "raw" in locals():
+            raw.abort()
+        if "sock" in locals():
+            sock.close()
+
+
+class CancelsWhenMade(asyncio.Protocol):
+    def __init__(self) -> None:
+        self.lost: asyncio.Future[BaseException | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        raise asyncio.CancelledError("the app's own")
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.lost.set_result(exc)
+
+
+@pytest.mark.asyncio
+async def test_a_tls_connection_made_that_raises_cancelled_error_is_reported_under_its_name(
+    listener: socket.socket, server_cert: Any, tls_ca: Any,
+) -> None:
+    """Over TLS the app's connection_made() runs inside the read that ends
+    the handshake: a CancelledError from it was reported as the failure
+    of whatever delivered that read (the loop's "Fatal error:
+    protocol.buffer_updated() call failed."), not of the app's method."""
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    app = CancelsWhenMade()
+    try:
+        async with asyncio.timeout(WAKE):
+            opening = asyncio.ensure_future(loop.create_connection(
+                lambda: slabnet.SlabProtocol(
+                    app, ssl=client_ctx(tls_ca), server_hostname="localhost"),
+                *listener.getsockname()))
+            sock, _ = await loop.sock_accept(listener)
+            peer = RawTLS(sock, server_ctx(server_cert), server_side=True)
+            await peer.handshake()
+            raw, _ = await opening
+            exc = await app.lost
+            await peer_sees_the_end(sock)
+        assert isinstance(exc, asyncio.CancelledError) and exc.args == ("the app's own",)
+        assert [c.get("exception") for c in handler.contexts] == [exc]
+        assert handler.contexts[0]["message"] == "slabnet: protocol.connection_made() failed"
+    finally:
+        loop.set_exception_handler(None)
+        if "raw" in locals():
+            raw.abort()
+        if "sock" in locals():
+            sock.close()
