@@ -70,7 +70,9 @@ from typing import Any, Final, cast
 from ._errors import LocalAbortError
 from ._slab import _Sealed
 from ._tls_transport import TLSTransport, check_ssl_timeout
-from ._transport import ChunkProtocol, SlabProtocol, SlabTransport, awaiting_handshake
+from ._transport import (
+    ChunkProtocol, SlabProtocol, SlabTransport, _abort_ours_first, awaiting_handshake,
+)
 
 #: What a stream runs over: a plain connection, or the TLS layer on one.
 _Transport = SlabTransport | TLSTransport
@@ -1286,35 +1288,6 @@ def _server_factory(
     return factory
 
 
-def _serving(server: asyncio.Server) -> asyncio.Server:
-    """The loop's ``Server``, whose ``abort_clients()`` (3.13) aborts
-    slabnet's transports first.
-
-    The loop's ``abort_clients()`` aborts the loop's transports, which looks
-    to ``SlabProtocol`` like ``close_clients()``: ``connection_lost(None)``
-    either way. After a close slabnet still sends its queue on the
-    duplicate descriptor (``SlabTransport._outlive_raw``), as asyncio's
-    transport flushes its buffer; after an abort it must drop it, as
-    asyncio's does, or a client that never reads keeps its connection."""
-    abort_clients = getattr(server, "abort_clients", None)
-    clients = getattr(server, "_clients", None)
-    if abort_clients is None or clients is None:
-        return server  # (before 3.13, and uvloop's Server: no abort_clients)
-
-    def abort_slabnet_clients() -> None:
-        for raw in list(clients):
-            if not isinstance(raw, asyncio.BaseTransport):
-                continue  # (ours, outliving the loop's: abort_clients() aborts it)
-            proto = raw.get_protocol()
-            tr = proto._transport if isinstance(proto, SlabProtocol) else None
-            if tr is not None:
-                tr.abort()
-        abort_clients()
-
-    setattr(server, "abort_clients", abort_slabnet_clients)  # (3.13 only: typed per version)
-    return server
-
-
 async def start_server(
     client_connected_cb: ClientConnectedCallback,
     host: str | Iterable[str] | None = None,
@@ -1336,7 +1309,11 @@ async def start_server(
         client_connected_cb, limit, ssl, ssl_handshake_timeout, ssl_shutdown_timeout,
         ssl_ragged_eof,
     )
-    return _serving(await loop.create_server(factory, host, port, **kwds))  # type: ignore[arg-type]
+    server = await loop.create_server(factory, host, port, **kwds)  # type: ignore[arg-type]
+    # Now, not at its first connection: an abort_clients() taken before
+    # (a signal handler's) is ours too.
+    _abort_ours_first(server)
+    return server
 
 
 async def start_unix_server(
@@ -1356,5 +1333,7 @@ async def start_unix_server(
         client_connected_cb, limit, ssl, ssl_handshake_timeout, ssl_shutdown_timeout,
         ssl_ragged_eof,
     )
-    return _serving(await loop.create_unix_server(factory, path, **kwds))
+    server = await loop.create_unix_server(factory, path, **kwds)
+    _abort_ours_first(server)  # (as start_server's)
+    return server
 

@@ -684,6 +684,40 @@ class _OutlivingClient:
         self._server._detach(self)
 
 
+def _abort_ours_first(server: Any) -> None:
+    """Make ``server.abort_clients()`` (3.13) abort slabnet's transports
+    first; once per ``Server``: ``start_server`` does it at once, and the
+    first connection a ``Server`` makes for a ``SlabProtocol`` does it for
+    one of a factory of the app's own (an ``abort_clients`` taken from
+    that one before its first connection is the loop's alone).
+
+    The loop's ``abort_clients()`` aborts the loop's transports, which looks
+    to ``SlabProtocol`` like ``close_clients()``: ``connection_lost(None)``
+    either way. After a close slabnet still sends its queue on the
+    duplicate descriptor (``SlabTransport._outlive_raw``), as asyncio's
+    transport flushes its buffer; after an abort it must drop it, as
+    asyncio's does, or a client that never reads keeps its connection."""
+    abort_clients = getattr(server, "abort_clients", None)
+    clients = getattr(server, "_clients", None)
+    if abort_clients is None or clients is None:
+        return  # (before 3.13, and uvloop's Server: no abort_clients)
+    if getattr(server, "_slabnet_aborts_first", False):
+        return
+    server._slabnet_aborts_first = True
+
+    def abort_slabnet_clients() -> None:
+        for raw in list(clients):
+            if not isinstance(raw, asyncio.BaseTransport):
+                continue  # (ours, outliving the loop's: abort_clients() aborts it)
+            proto = raw.get_protocol()
+            tr = proto._transport if isinstance(proto, SlabProtocol) else None
+            if tr is not None:
+                tr.abort()
+        abort_clients()
+
+    server.abort_clients = abort_slabnet_clients
+
+
 class _Duplicate:
     """A descriptor of slabnet's own for a connection's socket (``os.dup``):
     closed by ``close()`` or, for a connection its loop left behind, when it
@@ -1596,6 +1630,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
         except Exception as exc:  # (no socket behind the transport)
             self._setup_failed(exc)
             return
+        server = getattr(transport, "_server", None)  # (the asyncio loop's, server side)
+        if server is not None:
+            _abort_ours_first(server)
         self._upper_made = True
         try:
             self.upper.connection_made(tr)

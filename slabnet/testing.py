@@ -337,8 +337,8 @@ class _EchoServer:
         # slabnet.start_server's own parts, to see each connection from its
         # start: one still in its TLS handshake has no handler yet, and from
         # Python 3.12 Server.wait_closed() waits for it too.
-        from slabnet._streams import _DEFAULT_LIMIT, _server_factory, _serving
-        from slabnet._transport import SlabProtocol
+        from slabnet._streams import _DEFAULT_LIMIT, _server_factory
+        from slabnet._transport import SlabProtocol, _abort_ours_first
 
         self._stop = asyncio.Event()
         protocols: set[SlabProtocol] = set()
@@ -365,7 +365,8 @@ class _EchoServer:
             return protocol
 
         loop = asyncio.get_running_loop()
-        server = _serving(await loop.create_server(factory, "127.0.0.1", 0))
+        server = await loop.create_server(factory, "127.0.0.1", 0)
+        _abort_ours_first(server)
         try:
             host, port = server.sockets[0].getsockname()[:2]
             self._address = (host, port)

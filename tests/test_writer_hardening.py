@@ -421,6 +421,64 @@ async def test_abort_clients_drops_the_queue(
     assert await fds_settle(baseline) <= baseline
 
 
+@pytest.mark.skipif(sys.version_info < (3, 13), reason="Server.abort_clients() is new in 3.13")
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_abort_clients_drops_the_queue_of_a_slab_protocol_server(
+    tls: bool, tls_server_context: ssl.SSLContext, tls_client_context: ssl.SSLContext,
+) -> None:
+    # The same abort, on a server of loop.create_server() with a factory of
+    # SlabProtocols (the README's way for a server that handles bytes in
+    # the callback). Only start_server's Server aborted slabnet's transports
+    # first, so here the loop's abort looked like a close: the queue still
+    # went out on the duplicate descriptor, to a client that never reads,
+    # so connection_lost never came, wait_closed() never returned, and the
+    # connection kept its descriptor (plain and TLS).
+    if type(asyncio.get_running_loop()).__module__.startswith("uvloop"):
+        pytest.skip("uvloop's Server has no abort_clients()")
+    loop = asyncio.get_running_loop()
+    made: asyncio.Future[Any] = loop.create_future()
+    lost: asyncio.Future[BaseException | None] = loop.create_future()
+
+    class App(slabnet.ChunkProtocol):
+        def connection_made(self, transport: Any) -> None:
+            shrink(transport.get_extra_info("socket"))
+            transport.write(os.urandom(16) * (PAYLOAD // 16))
+            made.set_result(transport)
+
+        def chunk_received(self, chunk: memoryview) -> None:
+            pass
+
+        def connection_lost(self, exc: BaseException | None) -> None:
+            lost.set_result(exc)
+
+    def factory() -> slabnet.SlabProtocol:
+        return slabnet.SlabProtocol(
+            App(), ssl=tls_server_context if tls else None, server_side=True)
+
+    baseline = open_fds()
+    server = await loop.create_server(factory, "127.0.0.1", 0)
+    kw: dict[str, Any] = {}
+    if tls:
+        kw = dict(ssl=tls_client_context, server_hostname="localhost")
+    reader, writer = await connect_small(server.sockets[0].getsockname()[1], **kw)
+    try:
+        transport = await asyncio.wait_for(made, WAKE)
+        await asyncio.sleep(0)  # TLS: the plaintext is encrypted and queued
+        assert transport.get_write_buffer_size() > PAYLOAD // 2
+        server.close()
+        server.abort_clients()
+        exc = await asyncio.wait_for(lost, WAKE)  # without the client reading a byte
+        assert isinstance(exc, slabnet.LocalAbortError), repr(exc)
+        await asyncio.wait_for(server.wait_closed(), WAKE)
+        data, _ = await read_to_end(reader)
+        assert len(data) < PAYLOAD // 2  # the queue was dropped, as asyncio's buffer is
+    finally:
+        writer.close()
+        server.close()
+    assert await fds_settle(baseline) <= baseline
+
+
 # ------------------------------------------------ 13: one future per await
 
 
