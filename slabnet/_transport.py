@@ -759,6 +759,14 @@ class SlabTransport(WriteGate):
     )
 
     def __init__(self, proto: SlabProtocol, raw: asyncio.Transport, res: _LoopResources) -> None:
+        if raw.get_extra_info("sslcontext") is not None:
+            # The loop's TLS (ssl= given to the loop, not to SlabProtocol):
+            # its socket is the TCP connection under the TLS, and what we
+            # sent on it would go out in plaintext.
+            raise TypeError(
+                "SlabProtocol over the loop's TLS transport: "
+                "pass ssl= to SlabProtocol, not to the loop"
+            )
         super().__init__(loop=proto.loop)  # (sets _loop)
         self._proto = proto
         self._raw = raw
@@ -1529,8 +1537,10 @@ class SlabProtocol(asyncio.BufferedProtocol):
     returning new instances). It hands read-only chunks to ``app`` (a
     ``ChunkProtocol``) and gives ``app`` a ``SlabTransport``. With ``ssl``,
     slabnet's TLS layer (``TLSTransport``) sits between the two: it is this
-    protocol's upper protocol, and ``app`` gets it as its transport. A TCP
-    FIN without close_notify is EOF, as in asyncio, unless
+    protocol's upper protocol, and ``app`` gets it as its transport. (The
+    loop's own TLS, ``ssl=`` given to the loop, is refused: its socket is
+    the TCP connection under that TLS, so the connection is aborted and
+    reported.) A TCP FIN without close_notify is EOF, as in asyncio, unless
     ``ssl_ragged_eof=False`` (then ``TLSTruncatedError``, after every byte).
     ``handshake_waiter`` gets the result once ``app`` has its transport (or
     the exception that prevented it).
@@ -1627,7 +1637,7 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._raw = transport
         try:
             self._transport = tr = SlabTransport(self, transport, self._res)
-        except Exception as exc:  # (no socket behind the transport)
+        except Exception as exc:  # (no socket behind the transport, or the loop's TLS)
             self._setup_failed(exc)
             return
         server = getattr(transport, "_server", None)  # (the asyncio loop's, server side)

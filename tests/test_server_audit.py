@@ -351,6 +351,60 @@ async def test_a_bool_ssl_for_a_server_is_refused_as_asyncio(
     )
 
 
+@pytest.mark.asyncio
+async def test_a_slab_protocol_under_the_loops_tls_sends_no_plaintext(
+    server_cert: Any, tls_ca: Any
+) -> None:
+    """``loop.create_server(SlabProtocol factory, ssl=ctx)``: the TLS is
+    the loop's, and SlabProtocol took the socket of the TCP connection
+    under it for its own. What the app wrote went out on it in plaintext,
+    past the TLS: a client that completed the handshake read the app's
+    bytes unencrypted. The connection is refused now, reported once, and
+    nothing the app writes reaches the wire."""
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    made: list[Any] = []
+
+    class App(slabnet.ChunkProtocol):
+        def connection_made(self, transport: Any) -> None:
+            made.append(transport)
+            transport.write(b"secret")
+
+        def chunk_received(self, chunk: memoryview) -> None:
+            made[0].write(b"secret " + bytes(chunk))
+
+    server = await loop.create_server(
+        lambda: slabnet.SlabProtocol(App()), "127.0.0.1", 0, ssl=server_ctx(server_cert)
+    )
+    sock = socket.create_connection(server.sockets[0].getsockname())
+    try:
+        tls = RawTLS(sock, client_ctx(tls_ca), server_side=False, server_hostname="localhost")
+        await asyncio.wait_for(tls.handshake(), WAKE)
+        await tls.send(tls.seal(b"hello"))
+        wire = bytearray()
+        async with asyncio.timeout(WAKE):  # until the server ends it (or leaks)
+            while b"secret" not in wire:
+                try:
+                    data = await loop.sock_recv(sock, 65536)
+                except ConnectionResetError:
+                    break
+                if not data:
+                    break
+                wire += data
+        assert b"secret" not in wire
+        assert made == []
+        (context,) = handler.contexts
+        assert context["message"] == "slabnet: could not set up the connection"
+        assert isinstance(context["exception"], TypeError)
+        assert "pass ssl= to SlabProtocol" in str(context["exception"])
+    finally:
+        sock.close()
+        loop.set_exception_handler(None)
+        server.close()
+        await server.wait_closed()
+
+
 @pytest.mark.parametrize("debug", [False, True], ids=["quiet", "debug"])
 @pytest.mark.asyncio
 async def test_a_failed_incoming_handshake_is_reported_in_debug_mode_only(
