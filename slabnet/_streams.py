@@ -1274,6 +1274,11 @@ def _server_factory(
 ) -> Callable[[], SlabProtocol]:
     loop = asyncio.get_running_loop()
     ctx, _ = _ssl_args(ssl, True, None, None, ssl_handshake_timeout, ssl_shutdown_timeout)
+    if limit <= 0:
+        # Refused here, before the server listens: asyncio's StreamReader
+        # refuses it in the factory, so its server accepts and then fails
+        # every connection (on uvloop the client waits for good).
+        raise ValueError("Limit cannot be <= 0")
 
     def factory() -> SlabProtocol:
         reader = StreamReader(limit=limit, loop=loop)

@@ -351,6 +351,31 @@ async def test_a_bool_ssl_for_a_server_is_refused_as_asyncio(
     )
 
 
+@pytest.mark.parametrize("unix", [False, True], ids=["tcp", "unix"])
+@pytest.mark.parametrize("limit", [0, -1])
+@pytest.mark.asyncio
+async def test_a_server_limit_that_no_reader_takes_is_refused_before_it_listens(
+    limit: int, unix: bool, tmp_path: Path
+) -> None:
+    """``start_server(limit=0)`` listened, then failed every connection in
+    its factory (the StreamReader refuses the limit, as asyncio's): each
+    client was accepted and dropped, and on uvloop it waited for good. The
+    value is refused at the call instead, with the reader's own words, and
+    nothing is left listening."""
+
+    async def handler(reader: Any, writer: Any) -> None:
+        writer.close()
+
+    before = open_fds()
+    with pytest.raises(ValueError, match="Limit cannot be <= 0"):
+        if unix:
+            await slabnet.start_unix_server(handler, str(tmp_path / "s"), limit=limit)
+        else:
+            await slabnet.start_server(handler, "127.0.0.1", 0, limit=limit)
+    assert await fds_settle(before) == before
+    assert not (tmp_path / "s").exists()
+
+
 @pytest.mark.asyncio
 async def test_a_slab_protocol_under_the_loops_tls_sends_no_plaintext(
     server_cert: Any, tls_ca: Any
