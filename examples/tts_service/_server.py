@@ -199,10 +199,14 @@ class TTSService:
             pass  # shutdown: closed below
         except h11.RemoteProtocolError as exc:
             self.errors += 1
-            if conn.our_state is h11.SEND_RESPONSE:
+            # A request h11 could not parse leaves our side IDLE (their side
+            # is ERROR): answer it too, 400 or 431 as h11 suggests.
+            if conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):
                 body = f"{exc}\n".encode()
                 with contextlib.suppress(h11.LocalProtocolError, OSError):
-                    writer.write(conn.send(_response(exc.error_status_hint, "text/plain", len(body))))
+                    writer.write(conn.send(
+                        _response(exc.error_status_hint, "text/plain", len(body), close=True)
+                    ))
                     writer.write(conn.send(h11.Data(data=body)))
                     writer.write(conn.send(h11.EndOfMessage()))
         except (OSError, ssl.SSLError):
@@ -290,11 +294,12 @@ class TTSService:
         await writer.drain()
 
 
-def _response(status: int, content_type: str, length: int) -> h11.Response:
+def _response(status: int, content_type: str, length: int, close: bool = False) -> h11.Response:
+    headers = [("content-type", content_type), ("content-length", str(length))]
+    if close:  # (h11 does not say so itself when the request did not parse)
+        headers.append(("connection", "close"))
     return h11.Response(
-        status_code=status,
-        reason=HTTPStatus(status).phrase.encode(),
-        headers=[("content-type", content_type), ("content-length", str(length))],
+        status_code=status, reason=HTTPStatus(status).phrase.encode(), headers=headers
     )
 
 

@@ -1,0 +1,107 @@
+"""The example TTS service and voice server under hostile or unlucky peers.
+
+The service runs in-process on 127.0.0.1 (synthetic voice), with slabnet
+streams and with asyncio's; slabnet's pytest plugin runs every case on the
+stdlib loop and on uvloop. Clients are plain asyncio TLS streams that send
+exactly the bytes a case needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import pytest_asyncio
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
+    sys.path.insert(0, str(ROOT))
+
+from examples._common import impl_available, make_certs, server_ssl_context  # noqa: E402
+from examples.tts_service import ServiceConfig, serve  # noqa: E402
+from examples.tts_service._server import MAX_REQUEST_BYTES  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest_asyncio.fixture(params=["slabnet", "asyncio"])
+async def service(request: pytest.FixtureRequest, certs: Any) -> AsyncIterator[Any]:
+    """A running service (its ``impl`` is the param); no loop errors allowed."""
+    impl = request.param
+    why = impl_available(impl)
+    if why:
+        pytest.skip(why)
+    loop = asyncio.get_running_loop()
+    loop_errors: list[dict[str, Any]] = []
+    previous_handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: loop_errors.append(ctx))
+    listening: asyncio.Future[Any] = loop.create_future()
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(
+        ServiceConfig(port=0, impl=impl, voice="synthetic", warm_rates=()),
+        server_ssl_context(certs), ready=listening.set_result, stop=stop,
+        handle_signals=False,
+    ))
+    try:
+        svc = await asyncio.wait_for(listening, 30)
+        svc.client_context = ssl.create_default_context(cafile=str(certs.ca))
+        yield svc
+        stop.set()
+        await asyncio.wait_for(task, 30)
+    finally:
+        if not task.done():
+            task.cancel()
+        loop.set_exception_handler(previous_handler)
+    assert loop_errors == []
+
+
+async def _exchange(svc: Any, request: bytes) -> bytes:
+    """Send ``request`` over TLS, then read until the service closes."""
+    async with asyncio.timeout(10):
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", svc.port, ssl=svc.client_context, server_hostname="localhost"
+        )
+        try:
+            writer.write(request)
+            return await reader.read()
+        finally:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except (OSError, ssl.SSLError):
+                pass
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"\x00\x01garbage\r\n\r\n", b"400"),
+        (b"GET /v1/health HTTP/1.1\r\n\r\n", b"400"),  # no host header
+        # A request line that never ends, one byte more than the service
+        # buffers: every byte is read, so the close sends no reset.
+        (b"GET /" + b"a" * (MAX_REQUEST_BYTES + 1 - len(b"GET /")), b"431"),
+        (b"GET /v1/health HTTP/1.1\r\nhost: x\r\nx-big: "
+         + b"a" * MAX_REQUEST_BYTES, b"431"),
+    ],
+    ids=["garbage", "no-host", "endless-request-line", "huge-header"],
+)
+async def test_a_request_h11_cannot_parse_is_answered_before_the_close(
+    service: Any, request_bytes: bytes, status: bytes
+) -> None:
+    """Only errors found after a request was parsed were answered: garbage,
+    a missing host header, or a request head larger than the service takes
+    (MAX_REQUEST_BYTES, "before answering 431") got a bare close, with no
+    status, because h11 leaves the server IDLE, not SEND_RESPONSE, then."""
+    reply = await _exchange(service, request_bytes)
+    assert reply.startswith(b"HTTP/1.1 " + status + b" "), reply[:200]
+    assert b"connection: close" in reply.lower()
+    assert service.errors == 1
