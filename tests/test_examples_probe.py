@@ -9,12 +9,15 @@ exactly the bytes a case needs.
 from __future__ import annotations
 
 import asyncio
+import socket
 import ssl
+import struct
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import h11
 import pytest
 import pytest_asyncio
 
@@ -22,9 +25,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
-from examples._common import impl_available, make_certs, server_ssl_context  # noqa: E402
-from examples.tts_service import ServiceConfig, serve  # noqa: E402
+from examples._common import PHRASES, impl_available, make_certs, server_ssl_context  # noqa: E402
+from examples.tts_service import ServiceConfig, TTSService, serve  # noqa: E402
 from examples.tts_service._server import MAX_REQUEST_BYTES  # noqa: E402
+from examples.voice_server import VoiceConfig, Worker  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -105,3 +109,83 @@ async def test_a_request_h11_cannot_parse_is_answered_before_the_close(
     assert reply.startswith(b"HTTP/1.1 " + status + b" "), reply[:200]
     assert b"connection: close" in reply.lower()
     assert service.errors == 1
+
+
+# -- the voice server against a TTS service that fails mid-prompt -----------
+
+
+class _FailingService(TTSService):
+    """Serves like the real one, except call 0's first prompt: after its
+    head and a few chunks it resets the connection, closes it cleanly, or
+    sends nothing more (``how``)."""
+
+    how = ""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.failed = asyncio.Event()
+        self.release = asyncio.Event()  # ends the stall at shutdown
+
+    async def _stream_speech(
+        self, conn: Any, writer: Any, text: str, rate: int, head_only: bool
+    ) -> None:
+        if text != PHRASES[0] or self.failed.is_set():
+            return await super()._stream_speech(conn, writer, text, rate, head_only)
+        phrase = await self.cache.get(text, rate)
+        writer.write(conn.send(h11.Response(status_code=200, headers=[
+            ("x-audio-bytes", str(len(phrase.pcm))), ("x-audio-sha256", phrase.sha256),
+        ])))
+        for start in range(0, 5 * 320, 320):
+            writer.write(conn.send(h11.Data(data=phrase.pcm[start:start + 320])))
+        await writer.drain()
+        self.failed.set()
+        if self.how == "reset":
+            sock = writer.get_extra_info("socket")
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.transport.abort()
+            raise ConnectionResetError  # (ends the handler as a peer's reset would)
+        if self.how == "truncate":
+            raise ConnectionAbortedError  # the handler closes: close_notify, mid-body
+        await self.release.wait()  # "stall"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("impl", ["slabnet", "asyncio"])
+@pytest.mark.parametrize("how", ["reset", "truncate", "stall"])
+async def test_a_prompt_that_fails_mid_body_fails_its_call_and_the_others_play_on(
+    certs: Any, impl: str, how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A TTS service that stopped sending mid-prompt hung the voice server:
+    the call waited for the rest of the body forever, so Worker.run() never
+    returned. A reset or a truncated body fail the call at once."""
+    why = impl_available(impl)
+    if why:
+        pytest.skip(why)
+    from examples.tts_service import _server
+    from examples.voice_server import _call
+
+    monkeypatch.setattr(_server, "SHUTDOWN_GRACE_S", 0.3)
+    monkeypatch.setattr(_call, "READ_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(_FailingService, "how", how)
+    service = _FailingService(
+        ServiceConfig(port=0, impl=impl, voice="synthetic", warm_rates=()),
+        server_ssl_context(certs),
+    )
+    async with service:
+        config = VoiceConfig(
+            tts_port=service.port, ca=str(certs.ca), impl=impl, duration=1.5, stagger_s=0.1,
+        )
+        worker = Worker(config, [0, 1, 2], 3)
+        try:
+            async with asyncio.timeout(15):
+                result = await worker.run()
+        finally:
+            service.release.set()
+    assert service.failed.is_set()
+    assert len(result["errors"]) == 1, result["errors"]
+    assert result["errors"][0].startswith("call 0: "), result["errors"]
+    # (The service's handlers run in this loop too: the stalled one is left.)
+    assert [t for t in result["leftover_tasks"] if "TTSService._handle" not in t] == []
+    for call in worker.calls[1:]:
+        assert call.phrases_ok >= 1 and call.phrases_bad == 0
+        assert call.underruns == 0

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import hashlib
 import ssl
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 from urllib.parse import quote
 
@@ -37,6 +38,10 @@ __all__ = ["Call", "CallError"]
 READ_SIZE = 64 * 1024
 # Streamed once per connection before the memory baseline; about 1 s of speech.
 WARMUP_PHRASE = "One moment please."
+# A service that sends nothing for this long while a call waits for a
+# response (or its TLS handshake) has stalled: the call fails rather than
+# wait for it forever. A prompt's chunks come every 20 ms or so.
+READ_TIMEOUT_S = 10.0
 
 
 class CallError(Exception):
@@ -51,7 +56,7 @@ class Call:
         "playing", "start_at", "end_at", "wake", "waiting", "done", "first_frame_at",
         "underruns", "frames", "late_frames", "phrases_ok", "phrases_bad",
         "bytes_received", "bytes_dropped", "fetching", "reads", "read_bytes", "reads_shared",
-        "seq", "timestamp", "ssrc", "source",
+        "seq", "timestamp", "ssrc", "source", "deadline",
     )
 
     def __init__(self, index: int, worker: Worker) -> None:
@@ -85,6 +90,7 @@ class Call:
         self.timestamp = index * 104729 & 0xFFFFFFFF
         self.ssrc = 0x5AB0000 + index
         self.source = ""
+        self.deadline: asyncio.Timeout | None = None  # while a response is awaited
 
     # -- connection ----------------------------------------------------------
 
@@ -93,13 +99,14 @@ class Call:
         streams = self.worker.streams
         self.reader, self.writer = await streams.open_connection(
             cfg.tts_host, cfg.tts_port, ssl=self.worker.ssl_context,
-            server_hostname=cfg.server_hostname,
+            server_hostname=cfg.server_hostname, ssl_handshake_timeout=READ_TIMEOUT_S,
         )
         if cfg.impl == "slabnet":
             self.read = self._read_chunk
         else:
             self.read = self._read_bytes
-        status, _ = await self._request("/v1/health")
+        async with self._read_deadline():
+            status, _ = await self._request("/v1/health")
         if status != 200:
             raise CallError(f"health check answered {status}")
         # Warm the connection: stream one short prompt (checked, not queued)
@@ -114,6 +121,28 @@ class Call:
         with contextlib.suppress(OSError, ssl.SSLError):
             await self.writer.wait_closed()
 
+    @contextlib.asynccontextmanager
+    async def _read_deadline(self) -> AsyncIterator[None]:
+        """Fail with CallError once the service sends nothing for READ_TIMEOUT_S.
+
+        One timer per response: each read pushes it back, but only once it
+        is half spent, so that a read costs no timer work."""
+        try:
+            async with asyncio.timeout(READ_TIMEOUT_S) as self.deadline:
+                yield
+        except TimeoutError:
+            raise CallError(f"TTS service sent nothing for {READ_TIMEOUT_S:g} s") from None
+        finally:
+            self.deadline = None
+
+    def _got_data(self) -> None:
+        deadline = self.deadline
+        if deadline is not None:
+            now = asyncio.get_running_loop().time()
+            when = deadline.when()
+            if when is not None and when - now < READ_TIMEOUT_S / 2:
+                deadline.reschedule(now + READ_TIMEOUT_S)
+
     async def _read_chunk(self) -> Any:
         """slabnet: one read-only chunk as the transport delivered it, no copy.
 
@@ -124,6 +153,7 @@ class Call:
         chunk = await self.reader.read_chunk()
         n = len(chunk)
         if n:
+            self._got_data()
             self.reads += 1
             self.read_bytes += n
             owner = chunk.obj
@@ -134,6 +164,7 @@ class Call:
     async def _read_bytes(self) -> bytes:
         data: bytes = await self.reader.read(READ_SIZE)
         if data:
+            self._got_data()
             self.reads += 1
             self.read_bytes += len(data)
         return data
@@ -174,6 +205,10 @@ class Call:
 
         With ``keep=False`` the audio is only checked, not queued or counted.
         """
+        async with self._read_deadline():
+            await self._fetch(text, keep)
+
+    async def _fetch(self, text: str, keep: bool) -> None:
         cfg = self.worker.config
         status, response = await self._request(f"/v1/speech?text={quote(text)}&rate={cfg.rate}")
         if status != 200:
