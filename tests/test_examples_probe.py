@@ -111,6 +111,52 @@ async def test_a_request_h11_cannot_parse_is_answered_before_the_close(
     assert service.errors == 1
 
 
+
+@pytest.fixture
+def request_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    from examples.tts_service import _server
+
+    monkeypatch.setattr(_server, "REQUEST_TIMEOUT_S", 0.5)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize(
+    "sent",
+    [b"", b"GET /v1/health HTTP/1.1\r\nhost: x\r\n",
+     b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n"],
+    ids=["nothing", "half-a-request", "one-request-then-nothing"],
+)
+async def test_a_connection_that_sends_no_request_in_time_is_dropped(
+    request_timeout: None, service: Any, sent: bytes
+) -> None:
+    """A client that did its TLS handshake and then sent no request (or half
+    of one, or nothing after its first) held its connection and handler
+    task for good, with either impl: 200 such clients held 200 descriptors
+    as long as they liked. Now each has REQUEST_TIMEOUT_S per request."""
+    async with asyncio.timeout(10):
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", service.port, ssl=service.client_context, server_hostname="localhost"
+        )
+        try:
+            writer.write(sent)
+            if sent.endswith(b"\r\n\r\n"):
+                assert (await reader.readuntil(b"\r\n")).startswith(b"HTTP/1.1 200 ")
+            try:
+                while await reader.read(65536):
+                    pass
+            except (ConnectionResetError, ssl.SSLError):
+                pass  # (a dropped TLS connection has no close_notify)
+            while service._writers:
+                await asyncio.sleep(0.01)
+        finally:
+            writer.close()
+            try:
+                await writer.wait_closed()
+            except (OSError, ssl.SSLError):
+                pass
+    assert service.errors == 1
+
+
 # -- the voice server against a TTS service that fails mid-prompt -----------
 
 

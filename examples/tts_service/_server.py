@@ -52,6 +52,12 @@ MAX_REQUEST_BYTES = 16 * 1024
 READ_SIZE = 64 * 1024
 # How long shutdown waits for responses in progress before cancelling them.
 SHUTDOWN_GRACE_S = 5.0
+# How long a connection may take to send its next request, whole, before it
+# is dropped: a client that opens connections (or sends a byte now and then)
+# and no request would otherwise hold a descriptor and a task for good. A
+# voice-server call waits at most a few seconds between its prompts, and
+# for its start after connecting (the calls start over calls/250 s).
+REQUEST_TIMEOUT_S = 60.0
 
 
 @dataclasses.dataclass
@@ -179,16 +185,19 @@ class TTSService:
         read = reader.read_chunk if self.config.impl == "slabnet" else None
         try:
             while not self._closing:
-                event = await self._next_event(conn, reader, read)
-                if isinstance(event, h11.ConnectionClosed):
+                try:
+                    async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                        event = await self._next_request(conn, reader, read)
+                except TimeoutError:
+                    # Dropped, not closed: a client that sends no request may
+                    # not answer a close_notify either.
+                    self.errors += 1
+                    writer.transport.abort()
                     break
-                if not isinstance(event, h11.Request):
-                    raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}", 400)
+                if event is None:
+                    break
                 self._idle.discard(task)
                 self._busy.add(task)
-                # The request has no body; read up to its EndOfMessage.
-                while not isinstance(await self._next_event(conn, reader, read), h11.EndOfMessage):
-                    pass
                 await self._respond(conn, event, writer)
                 self._busy.discard(task)
                 self._idle.add(task)
@@ -218,6 +227,21 @@ class TTSService:
             with contextlib.suppress(OSError, ssl.SSLError, asyncio.CancelledError):
                 await writer.wait_closed()
             self._writers.discard(writer)
+
+    @classmethod
+    async def _next_request(
+        cls, conn: h11.Connection, reader: Any, read: Any
+    ) -> h11.Request | None:
+        """The next request, read up to its end; None if the client closed first."""
+        event = await cls._next_event(conn, reader, read)
+        if isinstance(event, h11.ConnectionClosed):
+            return None
+        if not isinstance(event, h11.Request):
+            raise h11.RemoteProtocolError(f"unexpected {type(event).__name__}", 400)
+        # We serve no request with a body; read (and drop) any up to its end.
+        while not isinstance(await cls._next_event(conn, reader, read), h11.EndOfMessage):
+            pass
+        return event
 
     @staticmethod
     async def _next_event(conn: h11.Connection, reader: Any, read: Any) -> Any:
