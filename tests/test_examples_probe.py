@@ -36,8 +36,16 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return make_certs(tmp_path_factory.mktemp("certs"))
 
 
+@pytest.fixture
+def service_speed() -> float:
+    """The service's pace, x real time (a test may parametrize it)."""
+    return 5.0
+
+
 @pytest_asyncio.fixture(params=["slabnet", "asyncio"])
-async def service(request: pytest.FixtureRequest, certs: Any) -> AsyncIterator[Any]:
+async def service(
+    request: pytest.FixtureRequest, certs: Any, service_speed: float
+) -> AsyncIterator[Any]:
     """A running service (its ``impl`` is the param); no loop errors allowed."""
     impl = request.param
     why = impl_available(impl)
@@ -50,7 +58,7 @@ async def service(request: pytest.FixtureRequest, certs: Any) -> AsyncIterator[A
     listening: asyncio.Future[Any] = loop.create_future()
     stop = asyncio.Event()
     task = asyncio.create_task(serve(
-        ServiceConfig(port=0, impl=impl, voice="synthetic", warm_rates=()),
+        ServiceConfig(port=0, impl=impl, voice="synthetic", speed=service_speed, warm_rates=()),
         server_ssl_context(certs), ready=listening.set_result, stop=stop,
         handle_signals=False,
     ))
@@ -154,6 +162,51 @@ async def test_a_connection_that_sends_no_request_in_time_is_dropped(
                 await writer.wait_closed()
             except (OSError, ssl.SSLError):
                 pass
+    assert service.errors == 1
+
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("service_speed", [100.0])
+@pytest.mark.parametrize("what", ["speech", "pipelined-health"])
+async def test_a_client_that_stops_reading_is_dropped(
+    service: Any, what: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client that stopped reading held its handler in drain() for good
+    (its connection, task and write buffer too), with either impl, until it
+    went away or the service stopped. Now a drain may take SEND_TIMEOUT_S.
+
+    Both ends' socket buffers are set small, so that the response (2.2 MB
+    of audio, or thousands of pipelined health answers) is far more than
+    the kernel and the transport hold (uvloop's TLS buffers ~0.5 MB)."""
+    from examples.tts_service import _server
+
+    monkeypatch.setattr(_server, "SEND_TIMEOUT_S", 0.5)
+    if what == "speech":
+        # Pauses only: 70 s of 16 kHz audio that costs no synthesis time.
+        request = b"GET /v1/speech?text=a" + b"+" * 998 + b"a&rate=16000 HTTP/1.1\r\nhost: x\r\n\r\n"
+    else:
+        request = b"GET /v1/health HTTP/1.1\r\nhost: x\r\n\r\n" * 20000
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect: window
+    sock.setblocking(False)
+    async with asyncio.timeout(10):
+        await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", service.port))
+        reader, writer = await asyncio.open_connection(
+            sock=sock, ssl=service.client_context, server_hostname="localhost"
+        )
+        try:
+            while not service._writers:
+                await asyncio.sleep(0.01)
+            (server_writer,) = service._writers
+            server_writer.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_SNDBUF, 4096
+            )
+            writer.write(request)
+            while service._writers:
+                await asyncio.sleep(0.01)
+        finally:
+            writer.transport.abort()
     assert service.errors == 1
 
 

@@ -32,6 +32,7 @@ import json
 import os
 import signal
 import ssl
+from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
@@ -58,6 +59,11 @@ SHUTDOWN_GRACE_S = 5.0
 # voice-server call waits at most a few seconds between its prompts, and
 # for its start after connecting (the calls start over calls/250 s).
 REQUEST_TIMEOUT_S = 60.0
+# How long a response may wait in drain() for a client to take its bytes
+# before the client is dropped: one that stops reading would otherwise hold
+# its connection, task and write buffer until it went away. A client that
+# reads at the pace of playout (1x) waits a few seconds at most.
+SEND_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass
@@ -287,7 +293,8 @@ class TTSService:
         writer.write(conn.send(_response(status, content_type, len(body))))
         writer.write(conn.send(h11.Data(data=body)))
         writer.write(conn.send(h11.EndOfMessage()))
-        await writer.drain()
+        async with _send_deadline(writer):
+            await writer.drain()
 
     async def _stream_speech(
         self, conn: h11.Connection, writer: Any, text: str, rate: int, head_only: bool
@@ -307,15 +314,35 @@ class TTSService:
             per_tick = max(1, round(self.config.speed * TICK_S * 1000 / self.config.chunk_ms))
             pcm = memoryview(phrase.pcm)
             phase = self.ticker.next_phase()
-            for i, start in enumerate(range(0, len(pcm), chunk)):
-                if i and i % per_tick == 0:
-                    await writer.drain()
-                    await self.ticker.wait(phase)
-                # h11 accepts any bytes-like object; a memoryview slice is not a copy.
-                piece: Any = pcm[start : start + chunk]
-                writer.write(conn.send(h11.Data(data=piece)))
+            loop = asyncio.get_running_loop()
+            async with _send_deadline(writer) as deadline:
+                for i, start in enumerate(range(0, len(pcm), chunk)):
+                    if i and i % per_tick == 0:
+                        await writer.drain()
+                        # One timer per response: pushed back once half
+                        # spent, so a drain that returns costs no timer work.
+                        now = loop.time()
+                        if (deadline.when() or now) - now < SEND_TIMEOUT_S / 2:
+                            deadline.reschedule(now + SEND_TIMEOUT_S)
+                        await self.ticker.wait(phase)
+                    # h11 accepts any bytes-like object; a memoryview slice is not a copy.
+                    piece: Any = pcm[start : start + chunk]
+                    writer.write(conn.send(h11.Data(data=piece)))
         writer.write(conn.send(h11.EndOfMessage()))
-        await writer.drain()
+        async with _send_deadline(writer):
+            await writer.drain()
+
+
+@contextlib.asynccontextmanager
+async def _send_deadline(writer: Any) -> AsyncIterator[asyncio.Timeout]:
+    """Drop the client (ConnectionAbortedError) when the block takes SEND_TIMEOUT_S."""
+    try:
+        async with asyncio.timeout(SEND_TIMEOUT_S) as deadline:
+            yield deadline
+    except TimeoutError:
+        # Aborted, not closed: a close would wait for the bytes it does not take.
+        writer.transport.abort()
+        raise ConnectionAbortedError(f"client took nothing for {SEND_TIMEOUT_S:g} s") from None
 
 
 def _response(status: int, content_type: str, length: int, close: bool = False) -> h11.Response:
