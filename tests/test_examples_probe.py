@@ -9,10 +9,12 @@ exactly the bytes a case needs.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import socket
 import ssl
 import struct
 import sys
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 from examples._common import PHRASES, impl_available, make_certs, server_ssl_context  # noqa: E402
 from examples.tts_service import ServiceConfig, TTSService, serve  # noqa: E402
 from examples.tts_service._server import MAX_REQUEST_BYTES  # noqa: E402
+from examples.tts_service._synth import PhraseCache  # noqa: E402
 from examples.voice_server import VoiceConfig, Worker  # noqa: E402
 
 
@@ -208,6 +211,50 @@ async def test_a_client_that_stops_reading_is_dropped(
         finally:
             writer.transport.abort()
     assert service.errors == 1
+
+
+
+@pytest.mark.asyncio
+async def test_a_phrase_every_request_gave_up_on_is_not_synthesized(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request that went away left its synthesis queued (shielded): a
+    client could queue any amount of CPU work (0.7 s per 1000-letter text
+    at 16 kHz) by asking for new texts and hanging up, and later requests
+    waited behind it. 10 abandoned texts were all synthesized; now none is."""
+    made: list[str] = []
+    gate = threading.Event()
+    real = PhraseCache.synthesize
+
+    def synthesize(self: PhraseCache, text: str, rate: int) -> Any:
+        made.append(text)
+        gate.wait(10)
+        return real(self, text, rate)
+
+    monkeypatch.setattr(PhraseCache, "synthesize", synthesize)
+    loop = asyncio.get_running_loop()
+    executor = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    loop.set_default_executor(executor)  # (this test's loop only)
+    try:
+        cache = PhraseCache("synthetic")
+        first = asyncio.create_task(cache.get("first", 8000))
+        while not made:  # the one thread is busy with it
+            await asyncio.sleep(0.01)
+        abandoned = [asyncio.create_task(cache.get(f"text {i}", 8000)) for i in range(10)]
+        await asyncio.sleep(0)
+        for task in abandoned:
+            task.cancel()
+        await asyncio.gather(*abandoned, return_exceptions=True)
+        gate.set()
+        async with asyncio.timeout(10):
+            assert (await first).text == "first"
+            # One more phrase after them all: the queue holds nothing else.
+            assert (await cache.get("last", 8000)).text == "last"
+        assert made == ["first", "last"]
+        assert len(cache) == 2
+    finally:
+        gate.set()
+        executor.shutdown(wait=True)
 
 
 # -- the voice server against a TTS service that fails mid-prompt -----------

@@ -178,7 +178,13 @@ class PhraseCache:
 
     At most ``max_bytes`` of audio stay cached; the phrases used least
     recently are dropped first. The clients pick the texts, so a cache
-    without a bound would grow by a few MB for each new one they ask for."""
+    without a bound would grow by a few MB for each new one they ask for.
+
+    A synthesis that every request for it gave up on (its clients went
+    away) is cancelled: if it has not started, it never runs. Otherwise a
+    client could queue up any amount of work (a second of CPU per long
+    text) by asking for new texts and hanging up, and the requests behind
+    it would wait for all of it."""
 
     def __init__(self, voice: str = "auto", max_bytes: int = CACHE_BYTES) -> None:
         self.voice = resolve_voice(voice)
@@ -186,6 +192,7 @@ class PhraseCache:
         self.cached_bytes = 0  # of the phrases made and still cached
         self._sizes: dict[tuple[str, int], int] = {}  # their sizes
         self._phrases: OrderedDict[tuple[str, int], asyncio.Future[Phrase]] = OrderedDict()
+        self._waiting: dict[tuple[str, int], int] = {}  # requests awaiting a phrase being made
 
     def synthesize(self, text: str, rate: int) -> Phrase:
         """Blocking synthesis, no cache."""
@@ -200,14 +207,24 @@ class PhraseCache:
     async def get(self, text: str, rate: int) -> Phrase:
         key = (text, rate)
         fut = self._phrases.get(key)
-        if fut is None:
+        if fut is None or fut.cancelled():  # (given up on, and not yet forgotten)
             loop = asyncio.get_running_loop()
             fut = loop.run_in_executor(None, self.synthesize, text, rate)
             self._phrases[key] = fut
             fut.add_done_callback(lambda done: self._made(key, done))
         else:
             self._phrases.move_to_end(key)
-        return await asyncio.shield(fut)
+        if fut.done():
+            return fut.result()
+        self._waiting[key] = self._waiting.get(key, 0) + 1
+        try:
+            return await asyncio.shield(fut)
+        finally:
+            left = self._waiting[key] = self._waiting[key] - 1
+            if not left:
+                del self._waiting[key]
+                if not fut.done():
+                    fut.cancel()  # (one already running finishes, unused)
 
     def _made(self, key: tuple[str, int], fut: asyncio.Future[Phrase]) -> None:
         if self._phrases.get(key) is not fut:
