@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 import socket
 import ssl
 import struct
@@ -45,9 +46,14 @@ def service_speed() -> float:
     return 5.0
 
 
+@pytest.fixture
+def service_voice() -> str:
+    return "synthetic"
+
+
 @pytest_asyncio.fixture(params=["slabnet", "asyncio"])
 async def service(
-    request: pytest.FixtureRequest, certs: Any, service_speed: float
+    request: pytest.FixtureRequest, certs: Any, service_speed: float, service_voice: str
 ) -> AsyncIterator[Any]:
     """A running service (its ``impl`` is the param); no loop errors allowed."""
     impl = request.param
@@ -61,7 +67,9 @@ async def service(
     listening: asyncio.Future[Any] = loop.create_future()
     stop = asyncio.Event()
     task = asyncio.create_task(serve(
-        ServiceConfig(port=0, impl=impl, voice="synthetic", speed=service_speed, warm_rates=()),
+        ServiceConfig(
+            port=0, impl=impl, voice=service_voice, speed=service_speed, warm_rates=()
+        ),
         server_ssl_context(certs), ready=listening.set_result, stop=stop,
         handle_signals=False,
     ))
@@ -257,6 +265,32 @@ async def test_a_phrase_every_request_gave_up_on_is_not_synthesized(
         executor.shutdown(wait=True)
 
 
+
+@pytest.fixture
+def failing_espeak(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An espeak-ng on the PATH that fails as a broken install does."""
+    script = tmp_path / "espeak-ng"
+    script.write_text("#!/bin/sh\necho 'espeak-ng: cannot load voice' >&2\nexit 1\n")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ.get('PATH', '')}")
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("service_voice", ["espeak-ng"])
+async def test_a_synthesis_that_fails_is_answered_500(
+    failing_espeak: None, service: Any
+) -> None:
+    """espeak-ng's failure (CalledProcessError; a timeout or a NUL in the
+    text likewise) escaped the connection handler: no answer, just a close,
+    and "Unhandled exception in client_connected_cb" in the service's log."""
+    get = b"GET /v1/speech?text=hello&rate=8000 HTTP/1.1\r\nhost: x\r\n"
+    reply = await _exchange(service, get + b"\r\n" + get + b"connection: close\r\n\r\n")
+    assert reply.startswith(b"HTTP/1.1 500 "), reply[:200]
+    assert reply.count(b"synthesis failed: CalledProcessError") == 2  # (kept alive after one)
+    assert service.synth_errors == 2
+    assert service.errors == 0
+
+
 # -- the voice server against a TTS service that fails mid-prompt -----------
 
 
@@ -273,11 +307,10 @@ class _FailingService(TTSService):
         self.release = asyncio.Event()  # ends the stall at shutdown
 
     async def _stream_speech(
-        self, conn: Any, writer: Any, text: str, rate: int, head_only: bool
+        self, conn: Any, writer: Any, phrase: Any, head_only: bool
     ) -> None:
-        if text != PHRASES[0] or self.failed.is_set():
-            return await super()._stream_speech(conn, writer, text, rate, head_only)
-        phrase = await self.cache.get(text, rate)
+        if phrase.text != PHRASES[0] or self.failed.is_set():
+            return await super()._stream_speech(conn, writer, phrase, head_only)
         writer.write(conn.send(h11.Response(status_code=200, headers=[
             ("x-audio-bytes", str(len(phrase.pcm))), ("x-audio-sha256", phrase.sha256),
         ])))

@@ -40,7 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 import h11
 
 from .._common import FRAME_MS, PHRASES, SAMPLE_RATES, SAMPLE_WIDTH, streams_module
-from ._synth import PhraseCache
+from ._synth import Phrase, PhraseCache
 
 __all__ = ["ServiceConfig", "TTSService", "Ticker", "serve"]
 
@@ -137,6 +137,7 @@ class TTSService:
         self._closing = False
         self.responses = 0
         self.errors = 0
+        self.synth_errors = 0  # requests answered 500: their synthesis failed
 
     # -- lifecycle -----------------------------------------------------------
 
@@ -280,7 +281,15 @@ class TTSService:
                     conn, writer, 400, f"need text (<= 1000 chars) and rate in {SAMPLE_RATES}\n"
                 )
             else:
-                await self._stream_speech(conn, writer, text, rate, request.method == b"HEAD")
+                try:
+                    phrase = await self.cache.get(text, rate)
+                except Exception as exc:  # espeak-ng failed, timed out, or is gone
+                    self.synth_errors += 1
+                    await self._send_simple(
+                        conn, writer, 500, f"synthesis failed: {type(exc).__name__}\n"
+                    )
+                else:
+                    await self._stream_speech(conn, writer, phrase, request.method == b"HEAD")
         else:
             await self._send_simple(conn, writer, 404, "not found\n")
         self.responses += 1
@@ -297,9 +306,9 @@ class TTSService:
             await writer.drain()
 
     async def _stream_speech(
-        self, conn: h11.Connection, writer: Any, text: str, rate: int, head_only: bool
+        self, conn: h11.Connection, writer: Any, phrase: Phrase, head_only: bool
     ) -> None:
-        phrase = await self.cache.get(text, rate)
+        rate = phrase.rate
         headers = [
             ("content-type", f"audio/pcm;rate={rate};channels=1;encoding=s16le"),
             ("x-audio-source", phrase.source),
