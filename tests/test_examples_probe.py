@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on th
 from examples._common import PHRASES, impl_available, make_certs, server_ssl_context  # noqa: E402
 from examples.tts_service import ServiceConfig, TTSService, serve  # noqa: E402
 from examples.tts_service._server import MAX_REQUEST_BYTES  # noqa: E402
-from examples.tts_service._synth import PhraseCache  # noqa: E402
+from examples.tts_service._synth import PhraseCache, espeak_pcm  # noqa: E402
 from examples.voice_server import VoiceConfig, Worker  # noqa: E402
 
 
@@ -289,6 +289,43 @@ async def test_a_synthesis_that_fails_is_answered_500(
     assert reply.count(b"synthesis failed: CalledProcessError") == 2  # (kept alive after one)
     assert service.synth_errors == 2
     assert service.errors == 0
+
+
+
+FAKE_ESPEAK = """\
+import getopt, sys, wave
+# Options as espeak-ng's getopt_long takes them: anywhere, the last -w wins.
+opts, words = getopt.gnu_getopt(sys.argv[1:], "v:s:w:f:")
+opts = dict(opts)
+text = open(opts["-f"], encoding="utf-8").read() if "-f" in opts else " ".join(words)
+with wave.open(opts["-w"], "wb") as w:
+    w.setnchannels(1)
+    w.setsampwidth(2)
+    w.setframerate(8000)
+    w.writeframes(len(text).to_bytes(2, "little") * 80)
+"""
+
+
+@pytest.mark.asyncio
+async def test_the_text_never_reaches_espeak_ngs_command_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The text was espeak-ng's last argument, so a client's text
+    "-w/any/path" was read as an option: espeak-ng wrote the WAV there, over
+    any file the service may write (and the request failed, its own out.wav
+    missing). The fake espeak-ng parses its options as espeak-ng's
+    getopt_long does."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    script = bindir / "espeak-ng"
+    script.write_text(f"#!{sys.executable}\n{FAKE_ESPEAK}")
+    script.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}{os.pathsep}{os.environ.get('PATH', '')}")
+    target = tmp_path / "overwritten.wav"
+    text = f"-w{target}"
+    pcm = await asyncio.to_thread(espeak_pcm, text, 8000)
+    assert not target.exists()
+    assert pcm == len(text).to_bytes(2, "little") * 80  # (the fake's "speech")
 
 
 # -- the voice server against a TTS service that fails mid-prompt -----------

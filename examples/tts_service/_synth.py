@@ -146,8 +146,14 @@ def espeak_pcm(text: str, rate: int) -> bytes:
     """Speak ``text`` with espeak-ng and return s16le mono PCM at ``rate``."""
     with tempfile.TemporaryDirectory(prefix="tts-") as tmp:
         wav_path = Path(tmp) / "out.wav"
+        # The text goes in a file, not on the command line: there, a client's
+        # "-w/some/path" would be read as an option (espeak-ng's getopt takes
+        # options after operands), and a NUL could not be passed at all.
+        text_path = Path(tmp) / "text.txt"
+        text_path.write_text(text, encoding="utf-8")
         subprocess.run(
-            ["espeak-ng", "-v", "en-us", "-s", str(ESPEAK_WPM), "-w", str(wav_path), text],
+            ["espeak-ng", "-v", "en-us", "-s", str(ESPEAK_WPM), "-w", str(wav_path),
+             "-f", str(text_path)],
             check=True,
             capture_output=True,
             timeout=30,
