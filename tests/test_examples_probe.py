@@ -333,8 +333,8 @@ async def test_the_text_never_reaches_espeak_ngs_command_line(
 
 class _FailingService(TTSService):
     """Serves like the real one, except call 0's first prompt: after its
-    head and a few chunks it resets the connection, closes it cleanly, or
-    sends nothing more (``how``)."""
+    head and a few chunks it resets the connection, closes it cleanly,
+    sends nothing more, or sends more audio without end (``how``)."""
 
     how = ""
 
@@ -362,18 +362,25 @@ class _FailingService(TTSService):
             raise ConnectionResetError  # (ends the handler as a peer's reset would)
         if self.how == "truncate":
             raise ConnectionAbortedError  # the handler closes: close_notify, mid-body
+        while self.how == "endless" and not self.release.is_set():
+            for _ in range(10):
+                writer.write(conn.send(h11.Data(data=phrase.pcm[:320])))
+            await writer.drain()
+            await self.ticker.wait()
         await self.release.wait()  # "stall"
 
 
 @pytest.mark.asyncio
 @pytest.mark.parametrize("impl", ["slabnet", "asyncio"])
-@pytest.mark.parametrize("how", ["reset", "truncate", "stall"])
+@pytest.mark.parametrize("how", ["reset", "truncate", "stall", "endless"])
 async def test_a_prompt_that_fails_mid_body_fails_its_call_and_the_others_play_on(
     certs: Any, impl: str, how: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A TTS service that stopped sending mid-prompt hung the voice server:
     the call waited for the rest of the body forever, so Worker.run() never
-    returned. A reset or a truncated body fail the call at once."""
+    returned. One that sent more than its x-audio-bytes without end did too,
+    the call queueing all of it. A reset or a truncated body fail the call
+    at once."""
     why = impl_available(impl)
     if why:
         pytest.skip(why)

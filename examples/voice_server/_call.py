@@ -234,6 +234,10 @@ class Call:
                 digest.update(data)
                 n = len(data)
                 received += n
+                if received > expect_len:
+                    # A service that sends more than it announced may send
+                    # without end: the queue would grow as fast as it sends.
+                    raise CallError(f"TTS sent more than its x-audio-bytes ({expect_len})")
                 if not keep:
                     continue
                 # h11 hands out a bytearray (a header and a separate buffer);
