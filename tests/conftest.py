@@ -547,3 +547,26 @@ async def connect_raw_tls(
         yield RawTLS(sock, ctx, server_side=False, server_hostname="localhost")
     finally:
         sock.close()
+
+
+# ---------------------------------------------------------- small socket buffers
+
+SMALL_BUF = 16 * 1024  # SO_SNDBUF / SO_RCVBUF where a test needs a backlog
+
+
+def shrink(sock: socket.socket) -> None:
+    """Small kernel buffers, so that a write far larger than SMALL_BUF queues."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUF)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUF)
+
+
+@pytest_asyncio.fixture
+async def small_listener() -> AsyncIterator[socket.socket]:
+    """A plain listening socket whose connections have small buffers."""
+    sock = socket.socket()
+    shrink(sock)  # inherited by accepted sockets
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    sock.setblocking(False)
+    yield sock
+    sock.close()

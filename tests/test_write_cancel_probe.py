@@ -11,35 +11,15 @@ import gc
 import os
 import socket
 import weakref
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 import slabnet
-from conftest import Handler, RawTLS, client_ctx, server_ctx, wait_acked
+from conftest import SMALL_BUF, Handler, RawTLS, client_ctx, server_ctx, shrink, wait_acked
 
 WAKE = 5.0  # seconds any wait may take before the test fails
-SMALL_BUF = 16 * 1024  # SO_SNDBUF / SO_RCVBUF: a write far larger must queue
 PAYLOAD = 4 * 1024 * 1024
-
-
-def shrink(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUF)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUF)
-
-
-@pytest_asyncio.fixture
-async def small_listener() -> AsyncIterator[socket.socket]:
-    """A plain listening socket whose connections have small buffers."""
-    sock = socket.socket()
-    shrink(sock)  # inherited by accepted sockets
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    sock.setblocking(False)
-    yield sock
-    sock.close()
 
 
 async def blocked_writer(

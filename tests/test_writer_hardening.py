@@ -20,27 +20,19 @@ import socket
 import ssl
 import sys
 import weakref
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 import slabnet
 from slabnet._transport import _PAUSED_READ
 from conftest import (
-    RawTLS, client_ctx, fds_settle, hard_close, lowest_free_in_the_upper_half, open_fds,
-    recv_exactly, server_ctx, wait_acked,
+    SMALL_BUF, RawTLS, client_ctx, fds_settle, hard_close, lowest_free_in_the_upper_half,
+    open_fds, recv_exactly, server_ctx, shrink, wait_acked,
 )
 
 WAKE = 5.0  # seconds any wait may take before the test fails
-SMALL_BUF = 16 * 1024  # SO_SNDBUF / SO_RCVBUF where a test needs a backlog
 PAYLOAD = 4 * 1024 * 1024  # far more than SMALL_BUF buffers hold
-
-
-def shrink(sock: socket.socket) -> None:
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUF)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUF)
 
 
 async def read_to_end(reader: slabnet.StreamReader) -> tuple[bytes, BaseException | None]:
@@ -62,18 +54,6 @@ async def sock_read_to_end(sock: socket.socket) -> bytes:
         while data := await loop.sock_recv(sock, 65536):
             parts.append(data)
     return b"".join(parts)
-
-
-@pytest_asyncio.fixture
-async def small_listener() -> AsyncIterator[socket.socket]:
-    """A plain listening socket whose connections have small buffers."""
-    sock = socket.socket()
-    shrink(sock)  # inherited by accepted sockets
-    sock.bind(("127.0.0.1", 0))
-    sock.listen()
-    sock.setblocking(False)
-    yield sock
-    sock.close()
 
 
 async def connect_small(port: int, **kw: Any) -> tuple[slabnet.StreamReader, slabnet.StreamWriter]:
