@@ -565,7 +565,8 @@ class TLSEngine:
 
     def release_lent(self) -> None:
         """Copy the rest of the data lent by :meth:`lend_data`: the engine
-        keeps it (unparsed, outside the BIO) until reads need it."""
+        keeps it, outside the BIO, until reads need it (its headers parsed
+        as far as ``_RUNS_AHEAD`` took them, the rest when it goes in)."""
         lent = self._lent
         if lent is not None and not self._lent_owned:
             self._lent = memoryview(lent[self._lent_pos :].tobytes())
