@@ -33,8 +33,9 @@ import pytest
 import slabnet
 from conftest import (
     ForgedTLS12, RawTLS, client_ctx, forgeable, openssl_like, records, recv_exactly, server_ctx,
+    shrink,
 )
-from test_writer_hardening import WAKE, shrink, small_listener  # noqa: F401 (a fixture)
+from test_writer_hardening import WAKE
 from slabnet._errors import TLSRecordError
 from slabnet._records import MAX_LENGTH_TLS12
 from slabnet._tls import _DRAIN_AT, _LEND_LOW, LEND_PIECE, MAX_FRAGMENT, TLSEngine, TLSState

@@ -22,12 +22,12 @@ import pytest
 
 import slabnet
 from conftest import (
-    ForgedTLS12, RawTLS, block_until_records, client_ctx, forgeable, server_ctx, unread,
+    ForgedTLS12, RawTLS, block_until_records, client_ctx, forgeable, server_ctx, shrink, unread,
 )
 from slabnet._slab import LEND_SIZE
 from slabnet._tls import _DRAIN_AT, _LEND_LOW, LEND_PIECE, TLSState
 from slabnet._tls_transport import ANSWERS_MAX
-from test_writer_hardening import WAKE, shrink, small_listener  # noqa: F401 (a fixture)
+from test_writer_hardening import WAKE
 from test_tls_streams import connect_retry, free_port, pem_files  # noqa: F401 (fixture)
 
 

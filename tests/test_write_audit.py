@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 import slabnet
-from test_writer_hardening import connect_small, shrink, small_listener  # noqa: F401 (a fixture)
+from conftest import shrink
+from test_writer_hardening import connect_small
 
 WAKE = 5.0  # seconds any wait may take before the test fails
 async def count_to_eof(reader: slabnet.StreamReader) -> int:
