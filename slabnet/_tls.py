@@ -497,7 +497,7 @@ class TLSEngine:
         if self._lent is not None:
             self._keep_behind_lent(view)  # stream order
             return
-        view = self._parse(view)
+        view = view[: self._parse(view)]
         self._incoming.write(view)
         self._avail += len(view)
 
@@ -537,21 +537,20 @@ class TLSEngine:
             view = view.cast("B")  # count and cut bytes, not items
         return view
 
-    def _parse(self, view: memoryview) -> memoryview:
-        """Parse the record headers in `view`, the next ciphertext to go
-        into the BIO; return what may go in.  An invalid header cuts it
-        short (the valid prefix is delivered before the error) and drops
-        whatever was to come after it."""
+    def _parse(self, view: memoryview, new_runs: int = -1) -> int:
+        """Parse the record headers in `view`, the ciphertext after what
+        was parsed so far (within `new_runs`, as ``RecordScanner.feed``);
+        return how many of its bytes were parsed.  After an invalid header
+        (``scanner.error`` set) that is the valid prefix, which alone may go
+        into the BIO, the bytes in front of the error read first; if the
+        header's start came with earlier bytes, none of these."""
         scanner = self._scanner
         before = scanner.fed
         try:
-            scanner.feed(view)
+            scanner.feed(view, new_runs)
         except TLSRecordError:
-            # Only the bytes in front of the bad header go in.  If its start
-            # came with an earlier piece (already in the BIO), none of these.
-            self._lent = None
-            return view[: max(scanner.fed - before, 0)]
-        return view
+            pass  # (kept by the scanner, raised once the prefix is read)
+        return max(scanner.fed - before, 0)
 
     def _keep_behind_lent(self, view: memoryview) -> None:
         """Ciphertext that arrived while an earlier read is not all in the
@@ -599,23 +598,17 @@ class TLSEngine:
         into the BIO, and the bytes in front of it are read first)."""
         lent = self._lent
         assert lent is not None
-        scanner = self._scanner
         start = self._lent_parsed
-        before = scanner.fed
-        try:
-            # A bulk stream's whole read in one call: one record size, one run.
-            scanner.feed(lent[start:], _RUNS_AHEAD)
-            done = start + scanner.fed - before
-            if done < end:
-                # Records of many sizes: the next piece's at least, whatever
-                # its headers cost (what goes into the BIO is parsed first).
-                scanner.feed(lent[done:end])
-                done = min(end, len(lent))
-        except TLSRecordError:
-            # Only the bytes in front of the bad header go in.  If its start
-            # came with an earlier read (already in the BIO), none of these.
-            done = start + max(scanner.fed - before, 0)
-            self._lent = lent = lent[:done]
+        # A bulk stream's whole read in one call: one record size, one run.
+        done = start + self._parse(lent[start:], _RUNS_AHEAD)
+        error = self._scanner.error
+        if done < end and error is None:
+            # Records of many sizes: the next piece's at least, whatever its
+            # headers cost (what goes into the BIO is parsed first).
+            done += self._parse(lent[done:end])
+            error = self._scanner.error
+        if error is not None:
+            self._lent = lent = lent[:done]  # (nothing after the bad header goes in)
         self._lent_parsed = done
         return lent
 
