@@ -86,6 +86,16 @@ async def service(
     assert loop_errors == []
 
 
+async def close_client(writer: Any) -> None:
+    """Close a test client's connection; the service may have dropped it
+    (then without a close_notify)."""
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except (OSError, ssl.SSLError):
+        pass
+
+
 async def _exchange(svc: Any, request: bytes) -> bytes:
     """Send ``request`` over TLS, then read until the service closes."""
     async with asyncio.timeout(10):
@@ -96,11 +106,7 @@ async def _exchange(svc: Any, request: bytes) -> bytes:
             writer.write(request)
             return await reader.read()
         finally:
-            writer.close()
-            try:
-                await writer.wait_closed()
-            except (OSError, ssl.SSLError):
-                pass
+            await close_client(writer)
 
 
 @pytest.mark.asyncio
@@ -168,11 +174,7 @@ async def test_a_connection_that_sends_no_request_in_time_is_dropped(
             while service._writers:
                 await asyncio.sleep(0.01)
         finally:
-            writer.close()
-            try:
-                await writer.wait_closed()
-            except (OSError, ssl.SSLError):
-                pass
+            await close_client(writer)
     assert service.errors == 1
 
 

@@ -53,6 +53,16 @@ async def peer_sees_the_end(sock: socket.socket) -> None:
         pass
 
 
+def tear_down(loop: asyncio.AbstractEventLoop, raw: Any, sock: Any) -> None:
+    """The end of a test that set an exception handler and may have made a
+    transport (``raw``) and accepted its peer (``sock``): None if not."""
+    loop.set_exception_handler(None)
+    if raw is not None:
+        raw.abort()
+    if sock is not None:
+        sock.close()
+
+
 def traceback_length(exc: BaseException) -> int:
     n, tb = 0, exc.__traceback__
     while tb is not None:
@@ -292,6 +302,8 @@ async def test_a_data_callback_that_raises_cancelled_error_ends_the_connection_w
     loop.set_exception_handler(handler)
     app = cls()
     kw: dict[str, Any] = {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
+    raw: Any = None
+    sock: Any = None
     try:
         async with asyncio.timeout(WAKE):
             opening = asyncio.ensure_future(loop.create_connection(
@@ -319,11 +331,7 @@ async def test_a_data_callback_that_raises_cancelled_error_ends_the_connection_w
         assert handler.contexts[0]["message"] == f"slabnet: protocol.{name}() failed"
         assert app.events == [10, 1000 if cls is CancelsOnSecondData else 100, "lost"]
     finally:
-        loop.set_exception_handler(None)
-        if "raw" in locals():
-            raw.abort()
-        if "sock" in locals():
-            sock.close()
+        tear_down(loop, raw, sock)
 
 
 class CancelsWhenMade(asyncio.Protocol):
@@ -351,6 +359,8 @@ async def test_a_tls_connection_made_that_raises_cancelled_error_is_reported_und
     handler = Handler()
     loop.set_exception_handler(handler)
     app = CancelsWhenMade()
+    raw: Any = None
+    sock: Any = None
     try:
         async with asyncio.timeout(WAKE):
             opening = asyncio.ensure_future(loop.create_connection(
@@ -367,8 +377,4 @@ async def test_a_tls_connection_made_that_raises_cancelled_error_is_reported_und
         assert [c.get("exception") for c in handler.contexts] == [exc]
         assert handler.contexts[0]["message"] == "slabnet: protocol.connection_made() failed"
     finally:
-        loop.set_exception_handler(None)
-        if "raw" in locals():
-            raw.abort()
-        if "sock" in locals():
-            sock.close()
+        tear_down(loop, raw, sock)
