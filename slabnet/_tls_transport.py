@@ -34,7 +34,8 @@ a read, is encrypted and sent at once (one record). The plaintext written
 after it during the iteration is gathered and encrypted in one
 ``write_many`` at the end of it (or once ``CORK_LIMIT`` bytes wait), so
 records are as full as possible; the ciphertext goes to the plain
-connection in one ``writelines``, as pieces, never joined. A write that
+connection in one ``writelines``, as pieces (joined there only when they
+average under ``JOIN_BELOW``: a large write is never copied). A write that
 cannot be sent at once (the plain connection has a queue, or the handshake
 is not done) gets a ``WriteRequest``, which completes once its ciphertext
 has been sent (``SlabTransport.track``).
@@ -79,7 +80,7 @@ from ._errors import (
 from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import (
     _AFTER_READ, _NOT_YET, CORK_LIMIT, EXITS, SlabTransport, WriteGate, _as_bytes_view, _keep,
-    FEED, FEED_PAUSED, FEED_STOPPED, FEED_SWITCHED, _loop_resources, callback_name, chunk_deliverer,
+    _views_of, FEED, FEED_PAUSED, FEED_STOPPED, FEED_SWITCHED, _loop_resources, callback_name, chunk_deliverer,
     flow_limits,
 )
 from ._write import WriteRequest
@@ -594,7 +595,7 @@ class TLSTransport(WriteGate):
         return self._gather(memoryview(view), n)
 
     def writelines(self, list_of_data: Iterable[Any]) -> WriteRequest | None:  # type: ignore[override]
-        views = [v for v in map(_as_bytes_view, list_of_data) if v.nbytes]
+        views, _ = _views_of(list_of_data)
         if not views:
             return None
         if len(views) == 1:
@@ -791,7 +792,7 @@ class TLSTransport(WriteGate):
         self._plain_bytes = 0
         engine.write_many(plain)
         # A large write comes out in several pieces (TLSEngine.WRITE_SLICE);
-        # each is queued as it is, never joined.
+        # each is queued as it is (writelines joins only small ones).
         pieces = engine.data_to_send_many()
         if pieces:
             lower.writelines(pieces)
