@@ -453,6 +453,12 @@ class RecordScanner:
         self._consumed = self._dropped + i
         return run, i
 
+    def runs_after(self, consumed: int) -> int:
+        """How many runs hold records after the first `consumed` bytes (the
+        bookkeeping still listed, parsed ahead of the BIO or not)."""
+        run, _ = self._locate(consumed)
+        return 0 if run is None else len(self._runs) - self._head
+
     def has_complete_record(self, consumed: int, avail: int | None = None) -> bool:
         """True if a complete record follows the first `consumed` bytes
         (complete within the first `avail` bytes, all that were fed if None)."""

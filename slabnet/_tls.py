@@ -178,6 +178,16 @@ _LEND_LOW: Final = MAX_FRAGMENT + 4096
 #: CPU at 1 KiB records (eight scanner calls per read instead of one).
 _RUNS_AHEAD: Final = 16
 
+#: What goes into the BIO is parsed first, however many runs its headers
+#: start; but a piece goes in only as far as its headers leave at most this
+#: many runs listed (at least one more record goes in, so reads go on).
+#: Junk of alternating 0- and 1-byte records held 9,000 runs (1.2 MB) per
+#: LEND_PIECE and a half in the BIO of a paused reader; now 512 (70 KB),
+#: the rest waits as the engine's copy of the read, a byte a byte.  Valid
+#: records of changing sizes reach the bound only below 64 bytes each on
+#: average, and then cost one more top-up per 512 records.
+_RUNS_IN_BIO: Final = 512
+
 #: The write side's bound, the mirror of LEND_PIECE: the outgoing
 #: ``MemoryBIO`` also keeps the largest size it ever grew to (10 MiB after
 #: one 8 MiB write), so plaintext goes to ``SSLObject.write`` at most
@@ -579,9 +589,12 @@ class TLSEngine:
         lent = self._lent
         assert lent is not None
         pos = self._lent_pos
-        end = pos + LEND_PIECE
-        if self._lent_parsed < min(end, len(lent)):
+        end = min(pos + LEND_PIECE, len(lent))
+        if self._lent_parsed < end:
             lent = self._parse_lent(end)
+            # (Short of `end` if _RUNS_IN_BIO stopped the parse, or an
+            # invalid header cut the lent data.)
+            end = min(end, self._lent_parsed)
         if end >= len(lent):
             self._lent = None
             piece = lent[pos:]
@@ -592,21 +605,24 @@ class TLSEngine:
         self._avail += len(piece)
 
     def _parse_lent(self, end: int) -> memoryview:
-        """Parse the headers of the lent data through offset `end` at least,
-        and on as far as ``_RUNS_AHEAD`` allows; return the lent data, cut
-        in front of an invalid header if one came (nothing after it goes
-        into the BIO, and the bytes in front of it are read first)."""
+        """Parse the headers of the lent data through offset `end`, unless
+        ``_RUNS_IN_BIO`` stops it sooner, and on as far as ``_RUNS_AHEAD``
+        allows; return the lent data, cut in front of an invalid header if
+        one came (nothing after it goes into the BIO, and the bytes in front
+        of it are read first)."""
         lent = self._lent
         assert lent is not None
         start = self._lent_parsed
+        scanner = self._scanner
         # A bulk stream's whole read in one call: one record size, one run.
         done = start + self._parse(lent[start:], _RUNS_AHEAD)
-        error = self._scanner.error
+        error = scanner.error
         if done < end and error is None:
-            # Records of many sizes: the next piece's at least, whatever its
-            # headers cost (what goes into the BIO is parsed first).
-            done += self._parse(lent[done:end])
-            error = self._scanner.error
+            # Records of many sizes: the next piece's, as far as the runs
+            # listed for the BIO allow (and one record at least).
+            listed = scanner.runs_after(self._avail - self._incoming.pending)
+            done += self._parse(lent[done:end], max(_RUNS_IN_BIO - listed, 1))
+            error = scanner.error
         if error is not None:
             self._lent = lent = lent[:done]  # (nothing after the bad header goes in)
         self._lent_parsed = done
