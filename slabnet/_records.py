@@ -83,8 +83,18 @@ would check an unknown content type's MAC first, so what it says of one
 depends on the record's bytes (``DECRYPTION_FAILED_OR_BAD_RECORD_MAC`` for
 garbage); ``UNEXPECTED_MESSAGE`` here, as before the handshake.
 
-A zero-length record is not rejected here: whether it is legal depends on the
-content type and on keys the scanner does not know, and OpenSSL checks it.
+* once the engine has told it the shortest record the connection's keys can
+  produce (:meth:`RecordScanner.set_min_length`, when the handshake ends), a
+  length below it: no encrypted record is shorter than its cipher's tag (and
+  TLS 1.3's inner content type), so such a record can only fail to decrypt.
+  ``DECRYPTION_FAILED_OR_BAD_RECORD_MAC``, what OpenSSL says of such a TLS
+  1.3 record (of a TLS 1.2 one OpenSSL 3.0 says only "internal error").  In
+  TLS 1.3 this applies to application_data records, the only ones that are
+  encrypted.  Junk of tiny records is refused as it is parsed instead of
+  costing a run each until OpenSSL reads it.
+
+Before that, a zero-length record is not rejected here: whether it is legal
+depends on the content type, and OpenSSL checks it.
 
 On an invalid header the scanner stops accepting bytes: :attr:`fed` stays at
 the offset of the bad header, so the engine writes only the valid prefix into
@@ -188,6 +198,7 @@ class RecordScanner:
         "_next_header",
         "_partial",
         "_max_length",
+        "_min_length",
         "_overhead",
         "_empty",
         "_error",
@@ -209,6 +220,7 @@ class RecordScanner:
         self._next_header = 0  # stream offset of the next header to parse
         self._partial = b""  # the start of a header cut short by a feed (< 5)
         self._max_length = max_length
+        self._min_length = 0  # no bound until set_min_length()
         self._overhead = 0
         self._empty = _BARRIER  # nothing is batched until set_expansion()
         self._error: TLSRecordError | None = None
@@ -250,6 +262,7 @@ class RecordScanner:
         unpack_from = _HEADER.unpack_from
         runs = self._runs
         limit = self._max_length
+        shortest = self._min_length
         # The run that the next record may extend, and its record size (-1:
         # none; only application_data runs are extended here).
         last: list[int] = runs[-1] if runs else []
@@ -269,6 +282,10 @@ class RecordScanner:
                     if len(runs) == cap:
                         stopped = True
                         break
+                    if length < shortest:
+                        # (Checked once a run: its records share the length.)
+                        self._parsed += parsed
+                        self._add(ctype, version, length, pos)  # (raises)
                     last = [pos, size, 1, APPLICATION_DATA]
                     runs.append(last)
                     last_size = size
@@ -339,6 +356,15 @@ class RecordScanner:
                 f" limit of {self._max_length} bytes"
                 f" ({_limit_reason(self._max_length)})"
             )
+        elif length < self._min_length and (
+            ctype == APPLICATION_DATA or self._max_length != MAX_LENGTH_TLS13
+        ):
+            reason = "DECRYPTION_FAILED_OR_BAD_RECORD_MAC"
+            problem = (
+                f"{_TYPE_NAMES[ctype]} record length {length} is below"
+                f" {self._min_length}, the shortest an encrypted record of"
+                " this connection can be: it cannot be decrypted"
+            )
         else:
             size = HEADER_SIZE + length
             runs = self._runs
@@ -391,6 +417,12 @@ class RecordScanner:
                     f" limit of {max_length} bytes ({_limit_reason(max_length)})",
                     _too_long(max_length, length),
                 )
+
+    def set_min_length(self, min_length: int) -> None:
+        """Refuse records shorter than `min_length` from here on (TLS 1.3:
+        application_data records only).  Records already parsed are not
+        checked again (OpenSSL refuses them when it reads them)."""
+        self._min_length = min_length
 
     def set_expansion(self, overhead: int, empty_size: int) -> None:
         """Tell the scanner the negotiated record expansion.

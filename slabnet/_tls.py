@@ -214,6 +214,12 @@ _DRAIN_AT: Final = 65536
 # Record expansion of a cipher suite
 # ---------------------------------------------------------------------------
 
+# The shortest record any TLS 1.2 (or 1.0, 1.1) suite OpenSSL offers makes
+# once encryption is on: ChaCha20-Poly1305's tag, or CCM_8's explicit nonce
+# and tag; GCM makes 24, CBC and the MAC-only suites at least a 16-byte MAC.
+# A renegotiation may change the suite, so this, not the current one's.
+_TLS12_SHORTEST: Final = 16
+
 # AEAD tag sizes: 16 bytes for GCM (NIST SP 800-38D as used by RFC 5288),
 # ChaCha20-Poly1305 (RFC 8439) and CCM (RFC 6655); 8 bytes for CCM_8.
 _TAG: Final = 16
@@ -675,6 +681,14 @@ class TLSEngine:
         self._refresh_expansion()
         self._tls12 = version != "TLSv1.3"
         self._set_state(_OPEN)
+        # Records shorter than the cipher makes can only fail to decrypt:
+        # the scanner refuses them at once (see RecordScanner).
+        cipher = sslobj.cipher()
+        if cipher is not None:
+            shortest = _expansion(version, cipher[0])[0]
+            if self._tls12:
+                shortest = min(shortest, _TLS12_SHORTEST)
+            self._scanner.set_min_length(shortest)
         if version == "TLSv1.3":
             try:
                 self._scanner.set_max_length(MAX_LENGTH_TLS13)

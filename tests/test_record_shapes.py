@@ -26,10 +26,11 @@ import pytest
 
 import slabnet
 from conftest import (
-    ForgedTLS12, RawTLS, block_until_records, client_ctx, connect_raw_tls, records, server_ctx,
-    unread,
+    ForgedTLS12, RawTLS, block_until_records, client_ctx, connect_raw_tls, openssl_like, records,
+    server_ctx, unread,
 )
 from slabnet._errors import TLSRecordError
+from slabnet._records import HEADER_SIZE
 from slabnet._slab import LEND_SIZE
 from slabnet._tls import (
     _LEND_LOW, _RUNS_AHEAD, _RUNS_IN_BIO, LEND_PIECE, MAX_FRAGMENT, TLSEngine, TLSState,
@@ -286,13 +287,15 @@ def test_headers_of_a_read_are_parsed_only_as_they_reach_the_bio(
     tls_ca: Any, server_cert: Any, version: ssl.TLSVersion, engine_server: bool, lead: int
 ) -> None:
     # One 256 KiB read: data records (`lead` bytes of 1 KiB records after
-    # the first), then the headers of 0- and 1-byte records, alternating, so
-    # that each is a scanner run of its own (about 130 bytes of bookkeeping
-    # for 5 or 6 bytes of input). The scanner parsed a read's every header
-    # at once: a reader that paused after the first chunk held 47,661
-    # records' bookkeeping, 6.1 MB by tracemalloc, for as long as it stayed
-    # paused, and one that read on paused for their parse (25 ms) before
-    # OpenSSL refused the first. Headers are parsed ahead of the BIO only
+    # the first), then records of alternating lengths, so that each is a
+    # scanner run of its own (about 130 bytes of bookkeeping each). Found
+    # with 0- and 1-byte records, which the scanner now refuses at once
+    # (see test_a_record_shorter_than_any_encrypted_one_fails_at_once), so
+    # 24- and 25-byte ones (_junk_record) here. The scanner parsed a
+    # read's every header at once: a reader that paused after the first
+    # chunk held 47,661 records' bookkeeping, 6.1 MB by tracemalloc, for
+    # as long as it stayed paused, and one that read on paused for their
+    # parse (25 ms) before OpenSSL refused the first. Headers are parsed ahead of the BIO only
     # while they start few runs (_RUNS_AHEAD): a bulk stream's read at once,
     # junk as its bytes go in, a LEND_PIECE at a time; the rest of a read
     # waits as the engine's copy of its bytes. "data_first" puts the junk
@@ -305,7 +308,7 @@ def test_headers_of_a_read_are_parsed_only_as_they_reach_the_bio(
     data_records = 1 + lead // 1024
     i = 0
     while len(wire) < LEND_SIZE:
-        wire += b"\x17\x03\x03\x00" + bytes([i % 2]) + bytes(i % 2)
+        wire += _junk_record(i)
         i += 1
     # Records of 5 bytes or more, in what the BIO holds at most, and the
     # runs parsed ahead of it.
@@ -335,9 +338,24 @@ def test_headers_of_a_read_are_parsed_only_as_they_reach_the_bio(
     assert_final(engine, engine._error)
 
 
+def _junk_record(i: int) -> bytes:
+    """The `i`-th of alternating 24- and 25-byte application_data records:
+    each a scanner run of its own, and long enough to pass the length
+    minimum of every cipher (OpenSSL refuses them, by their MAC, only when
+    it reads them)."""
+    return b"\x17\x03\x03\x00" + bytes([24 + i % 2]) + bytes(24 + i % 2)
+
+
 def _listed_runs(engine: TLSEngine) -> int:
     scanner = engine._scanner
     return len(scanner._runs) - scanner._head
+
+
+#: The runs a paused reader's scanner may list: _RUNS_IN_BIO for the BIO,
+#: plus two parses ahead of it. Well below the 25-byte records of one
+#: LEND_PIECE, so that the bound is what the tests below see.
+_RUNS_LISTED = _RUNS_IN_BIO + 2 * _RUNS_AHEAD + 1
+assert _RUNS_LISTED < LEND_PIECE // 25 // 2
 
 
 @VERSIONS
@@ -345,19 +363,20 @@ def test_junk_in_the_bio_of_a_paused_reader_keeps_little_bookkeeping(
     tls_ca: Any, server_cert: Any, version: ssl.TLSVersion
 ) -> None:
     # The headers of what goes into the BIO are parsed first. A read of
-    # alternating 0- and 1-byte records (each a scanner run, some 130 bytes
-    # of bookkeeping for 5 or 6 bytes of input) behind one data record: a
-    # reader that paused after the data held a run for every junk record
-    # in the BIO, 5,951 runs (996 KB by tracemalloc with the read's copy;
-    # up to 9,600 once the BIO was topped up), until it resumed and OpenSSL
-    # refused the first. Now a piece goes into the BIO only as far as
-    # _RUNS_IN_BIO runs are listed; the rest waits in the read's copy.
+    # records of alternating lengths (each a scanner run, some 130 bytes of
+    # bookkeeping) behind one data record: a reader that paused after the
+    # data held a run for every junk record in the BIO, until it resumed
+    # and OpenSSL refused the first. Found with 0- and 1-byte records: 5,951
+    # runs, 996 KB by tracemalloc with the read's copy (up to 9,600 once the
+    # BIO was topped up); those are now refused as they are parsed, so
+    # 24- and 25-byte ones here. Now a piece goes into the BIO only as far
+    # as _RUNS_IN_BIO runs are listed; the rest waits in the read's copy.
     engine, peer = engine_pair(tls_ca, server_cert, version, engine_server=False)
     peer.obj.write(b"first")
     wire = bytearray(peer.take())
     i = 0
     while len(wire) < LEND_SIZE:
-        wire += b"\x17\x03\x03\x00" + bytes([i % 2]) + bytes(i % 2)
+        wire += _junk_record(i)
         i += 1
     tracemalloc.start()
     try:
@@ -369,7 +388,7 @@ def test_junk_in_the_bio_of_a_paused_reader_keeps_little_bookkeeping(
     finally:
         tracemalloc.stop()
     assert first is not None and bytes(first) == b"first"
-    assert _listed_runs(engine) <= _RUNS_IN_BIO + 2 * _RUNS_AHEAD + 1
+    assert _listed_runs(engine) <= _RUNS_LISTED
     assert held <= len(wire) + 100_000, held  # (the read's copy, the runs)
     with pytest.raises(ssl.SSLError):
         while engine.read_chunk() is not None:
@@ -399,12 +418,45 @@ def test_tiny_records_of_changing_sizes_all_arrive_through_the_run_bound(
         while (chunk := engine.read_chunk()) is not None:
             chunks.append(bytes(chunk))
             engine.release_lent()
-            assert _listed_runs(engine) <= _RUNS_IN_BIO + 2 * _RUNS_AHEAD + 1
+            assert _listed_runs(engine) <= _RUNS_LISTED
         engine.release_lent()
     assert b"".join(chunks) == sent
     assert max(map(len, chunks)) <= MAX_FRAGMENT
     reads = -(-len(wire) // LEND_SIZE)
     assert len(chunks) <= 2 * (reads + len(sent) // MAX_FRAGMENT), len(chunks)
+
+
+@VERSIONS
+@SIDES
+@pytest.mark.parametrize("length", [0, 1, 15])
+def test_a_record_shorter_than_any_encrypted_one_fails_at_once(
+    tls_ca: Any, server_cert: Any, version: ssl.TLSVersion, engine_server: bool, length: int
+) -> None:
+    # No encrypted record is shorter than its cipher's tag (16 bytes in TLS
+    # 1.2, the tag and the inner content type in TLS 1.3), so such a record
+    # can only fail to decrypt: the scanner refuses it as it parses its
+    # header, after the data in front of it, with OpenSSL's reason for it
+    # in TLS 1.3 (OpenSSL 3.0 says only "[SSL] internal error" in TLS 1.2),
+    # and keeps no bookkeeping for what follows.
+    engine, peer = engine_pair(tls_ca, server_cert, version, engine_server=engine_server)
+    peer.obj.write(b"first")
+    wire = peer.take()
+    junk = b"".join(b"\x17\x03\x03\x00" + bytes([n]) + bytes(n) for n in [length, 1] * 2000)
+    chunks, exc, _ = read_all(engine, wire + junk)
+    assert b"".join(chunks) == b"first"
+    assert isinstance(exc, TLSRecordError), repr(exc)
+    assert exc.reason == "DECRYPTION_FAILED_OR_BAD_RECORD_MAC"
+    assert f"offset {engine._scanner.fed}: application_data record length {length} is below" in str(exc)
+    assert engine._scanner.buffered_records == 0
+    assert_final(engine, exc)
+    if version is TLS13:
+        # OpenSSL's own error for the record, from its peer's twin.
+        twin, twin_peer = engine_pair(tls_ca, server_cert, version, engine_server=engine_server)
+        sslobj = twin.ssl_object
+        twin._incoming.write(junk[: HEADER_SIZE + length])
+        with pytest.raises(ssl.SSLError) as theirs:
+            sslobj.read(100)
+        assert openssl_like(exc) == openssl_like(theirs.value)
 
 
 # ---------------------------------------------------------------- forged records, engine level

@@ -313,6 +313,37 @@ def test_length_reasons_after_the_handshake_are_openssls(
         assert (length, openssl_like(ours.value)) == (length, openssl_like(theirs.value))
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "byte_by_byte"])
+def test_records_shorter_than_the_minimum_are_refused(split: bool) -> None:
+    # Once the engine sets the shortest record its keys make, a header
+    # below it is refused where it starts (a run of data in front of it
+    # stays readable), whether it comes in the middle of a bulk piece or
+    # byte by byte. In TLS 1.3 only application_data records are encrypted:
+    # a short alert or change_cipher_spec record is left to OpenSSL.
+    def feed(sc: RecordScanner, data: bytes) -> None:
+        for i in range(len(data)) if split else [0]:
+            sc.feed(data[i : i + 1] if split else data)
+
+    bulk = record(APPLICATION_DATA, 1024) * 8
+    for limit, ok, bad in [
+        (MAX_LENGTH_TLS13, [record(APPLICATION_DATA, 17), record(ALERT, 2)], [(APPLICATION_DATA, 16)]),
+        (MAX_LENGTH_TLS12, [record(APPLICATION_DATA, 16)], [(APPLICATION_DATA, 0), (ALERT, 2), (HANDSHAKE, 15)]),
+    ]:
+        minimum = 17 if limit == MAX_LENGTH_TLS13 else 16
+        sc = RecordScanner(limit)
+        sc.set_min_length(minimum)
+        feed(sc, bulk + b"".join(ok))
+        for ctype, length in bad:
+            sc = RecordScanner(limit)
+            sc.set_min_length(minimum)
+            with pytest.raises(TLSRecordError) as info:
+                feed(sc, bulk + record(ctype, length) + bulk)
+            assert info.value.reason == "DECRYPTION_FAILED_OR_BAD_RECORD_MAC"
+            assert f"offset {len(bulk)}: " in str(info.value)
+            assert f"length {length} is below {minimum}" in str(info.value)
+            assert sc.fed == len(bulk) and sc.buffered_records == 8
+
+
 def test_set_max_length_rechecks_buffered_records() -> None:
     sc = RecordScanner()
     first = record(APPLICATION_DATA, 100)
