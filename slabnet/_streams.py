@@ -295,6 +295,8 @@ class StreamReader:
         return self._exception
 
     def set_exception(self, exc: BaseException) -> None:
+        """Every read raises ``exc`` once the bytes buffered before it are
+        read; bytes that come after it are left unread (``_refuse``)."""
         self._exception = exc
         self._wakeup_waiter()
 
@@ -304,6 +306,8 @@ class StreamReader:
         self._transport = transport
 
     def feed_eof(self) -> None:
+        """The end of the data: bytes that come after it (an app may call
+        this before its peer is done) are left unread (``_refuse``)."""
         self._eof = True
         self._wakeup_waiter()
 
@@ -334,6 +338,9 @@ class StreamReader:
     def _put_chunk(self, chunk: memoryview) -> None:
         # The hot path: the transport calls this for every chunk, as
         # _feed_chunk (unless feed_data was replaced: _FeedData).
+        if self._eof or self._exception is not None:
+            self._refuse()
+            return
         size = self._size
         if not size:
             # The consumer keeps up (and the tail is empty): kept as it came.
@@ -368,6 +375,21 @@ class StreamReader:
                     self._paused = True
 
     _feed_chunk = _put_chunk
+
+    def _refuse(self) -> None:
+        """A chunk came after the app ended the reader (``feed_eof()``,
+        ``set_exception()``; the connection's own end delivers none after):
+        it is dropped, never handed out after that end, and the transport
+        stops reading, so the peer's further bytes wait in the kernel.
+        asyncio's reads never return such bytes either (its default loop
+        fails the connection: "feed_data after feed_eof"). ``_paused`` is
+        left alone: no read resumes a reader that takes nothing more."""
+        transport = self._transport
+        if transport is not None:
+            try:
+                transport.pause_reading()  # type: ignore[attr-defined]
+            except NotImplementedError:
+                self._transport = None
 
     def _seal_tail(self) -> None:
         """Move the coalesced small chunks into the chunk queue as one chunk.

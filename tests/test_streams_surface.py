@@ -1,0 +1,112 @@
+"""The streams API's parameters and methods used as an application may use
+them, against asyncio's streams on the same loop where they differ.
+
+Every test runs on the asyncio loop and on uvloop (``slabnet_loops``), over
+loopback sockets, and bounds each wait.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+import slabnet
+from conftest import client_ctx, server_ctx
+
+WAKE = 5.0  # seconds any waiter may take to wake
+
+TLS = pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
+
+Pair = tuple[slabnet.StreamReader, slabnet.StreamWriter, slabnet.StreamReader, slabnet.StreamWriter]
+
+
+@contextlib.asynccontextmanager
+async def stream_pair(tls: bool, tls_ca: Any, server_cert: Any) -> AsyncIterator[Pair]:
+    """A slabnet client and the slabnet server connection it reached."""
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Future[tuple[Any, Any]] = loop.create_future()
+
+    async def handle(reader: Any, writer: Any) -> None:
+        accepted.set_result((reader, writer))
+
+    server = await slabnet.start_server(
+        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
+    )
+    writers: list[slabnet.StreamWriter] = []
+    try:
+        async with asyncio.timeout(WAKE):
+            r, w = await slabnet.open_connection(
+                *server.sockets[0].getsockname()[:2],
+                ssl=client_ctx(tls_ca) if tls else None,
+                server_hostname="localhost" if tls else None,
+            )
+            writers.append(w)
+            pr, pw = await accepted
+            writers.append(pw)
+        yield r, w, pr, pw
+    finally:
+        for writer in writers:
+            writer.transport.abort()
+        server.close()
+        async with asyncio.timeout(WAKE):
+            await server.wait_closed()
+
+
+async def until(done: Callable[[], object], what: str) -> None:
+    """Wait (a loop iteration at a time) until ``done()`` is true."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + WAKE
+    while not done():
+        if loop.time() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.005)
+
+
+@pytest.mark.asyncio
+@TLS
+async def test_no_byte_is_read_after_the_app_ended_its_reader(
+    tls: bool, tls_ca: Any, server_cert: Any
+) -> None:
+    """An app may end a reader itself: ``feed_eof()`` (no more data) or
+    ``set_exception(exc)`` (every read raises ``exc``). Bytes the peer sends
+    afterwards are not the reader's: slabnet queued them, so a reader that
+    had said EOF (``at_eof()`` true, ``read()`` empty) returned them later,
+    and one that had raised the app's error returned them before raising it
+    again. asyncio's reads never return them (its default loop fails the
+    connection with "feed_data after feed_eof"). Now they are left unread
+    (reading stops: the peer's bytes wait in the kernel) and the writer
+    still works."""
+    for end in ("feed_eof", "set_exception"):
+        async with stream_pair(tls, tls_ca, server_cert) as (r, w, pr, pw):
+            pw.write(b"before")
+            async with asyncio.timeout(WAKE):
+                assert await r.readexactly(6) == b"before"
+                if end == "feed_eof":
+                    r.feed_eof()
+                    assert r.at_eof()
+                    assert await r.read() == b""
+                else:
+                    r.set_exception(ValueError("the app's"))
+                    with pytest.raises(ValueError, match="the app's"):
+                        await r.read(100)
+                pw.write(b"after")
+                await until(
+                    lambda: not w.transport.is_reading() or r._buffer, "'after' taken in"
+                )
+                for _ in range(2):  # (a read must not resume what it stopped)
+                    if end == "feed_eof":
+                        assert await r.read(100) == b""
+                        assert await r.read() == b""
+                        assert r.at_eof()
+                    else:
+                        with pytest.raises(ValueError, match="the app's"):
+                            await r.read(100)
+                        with pytest.raises(ValueError, match="the app's"):
+                            await r.readexactly(1)
+                    await asyncio.sleep(0.01)
+                w.write(b"still writes")
+                assert await pr.readexactly(12) == b"still writes"
