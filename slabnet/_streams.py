@@ -1200,23 +1200,37 @@ async def _connect(
     reader = StreamReader(limit=limit, loop=loop)
     protocol = _StreamProtocol(reader, loop=loop)
     waiter: asyncio.Future[None] = loop.create_future()
+    slab = SlabProtocol(
+        protocol, loop=loop, ssl=ctx, server_side=False, server_hostname=hostname,
+        ssl_handshake_timeout=ssl_handshake_timeout,
+        ssl_shutdown_timeout=ssl_shutdown_timeout,
+        ssl_ragged_eof=ssl_ragged_eof, ssl_session=ssl_session,
+        handshake_waiter=waiter,
+    )
+    if ctx is not None:
+        # The TLS engine is made before connecting, so a server_hostname,
+        # context or session it refuses raises here, with no connection
+        # made, as asyncio's wrap_bio raises before its transport exists.
+        # Made in connection_made, its failure aborted the transport the
+        # loop had just made over a caller's sock=: closed (asyncio leaves
+        # it to the caller) and, on uvloop, left holding its old descriptor
+        # number, which the socket's finalizer closed later, whatever file
+        # had taken that number by then.
+        try:
+            slab.upper.prepare()
+        except BaseException:
+            waiter.cancel()  # (see below)
+            raise
     made: list[SlabProtocol] = []  # (the loops call the factory once)
 
     def factory() -> SlabProtocol:
-        slab = SlabProtocol(
-            protocol, loop=loop, ssl=ctx, server_side=False, server_hostname=hostname,
-            ssl_handshake_timeout=ssl_handshake_timeout,
-            ssl_shutdown_timeout=ssl_shutdown_timeout,
-            ssl_ragged_eof=ssl_ragged_eof, ssl_session=ssl_session,
-            handshake_waiter=waiter,
-        )
         made.append(slab)
         return slab
 
     try:
         raw, _ = await create(factory, *address, **kwds)
     except BaseException:
-        for slab in made:  # cancelled, maybe after connection_made (uvloop)
+        if made:  # cancelled, maybe after connection_made (uvloop)
             slab.abandon()
         # Nobody will await it. (uvloop makes the protocol before it
         # connects: a refused connect leaves the TLS layer waiting on it, in
@@ -1230,7 +1244,7 @@ async def _connect(
         # The error is the waiter's too, and its traceback holds this frame:
         # without these names the frame refers to no waiter, and the failed
         # connection (over TLS its SSLObject) is no cycle for the collector.
-        del waiter, made, _
+        del waiter, made, _, slab
         raise
     transport = protocol._transport
     assert transport is not None

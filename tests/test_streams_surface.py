@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import socket
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -110,3 +112,59 @@ async def test_no_byte_is_read_after_the_app_ended_its_reader(
                     await asyncio.sleep(0.01)
                 w.write(b"still writes")
                 assert await pr.readexactly(12) == b"still writes"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("refused", ["server_hostname", "session"])
+async def test_a_tls_set_up_refused_leaves_the_callers_socket_as_it_was(
+    refused: str, tls_ca: Any, server_cert: Any
+) -> None:
+    """``open_connection(sock=s, ssl=...)`` with a ``server_hostname`` the
+    TLS engine refuses (".localhost": UnicodeError, as asyncio's wrap_bio
+    raises) or an ``ssl_session`` of another context (ValueError): asyncio
+    raises before its transport exists and leaves ``s`` to the caller.
+    slabnet made the engine in ``connection_made`` and aborted the loop's
+    new transport: ``s`` was closed on the asyncio loop, and on uvloop left
+    holding its old descriptor number, which ``s``'s finalizer then closed,
+    whatever file had taken that number meanwhile. Now the engine is made
+    before connecting, so ``s`` is untouched and still usable."""
+    server = await slabnet.start_server(
+        lambda r, w: None, "127.0.0.1", 0, ssl=server_ctx(server_cert)
+    )
+    port = server.sockets[0].getsockname()[1]
+    kw: dict[str, Any] = {"server_hostname": "localhost"}
+    if refused == "server_hostname":
+        kw["server_hostname"] = ".localhost"
+        expected: type[BaseException] = UnicodeError
+    else:
+        # A session of a finished connection of another context.
+        async with asyncio.timeout(WAKE):
+            r, w = await slabnet.open_connection(
+                "127.0.0.1", port, ssl=client_ctx(tls_ca), server_hostname="localhost"
+            )
+            kw["ssl_session"] = w.get_extra_info("ssl_object").session
+            w.close()
+            await w.wait_closed()
+        expected = ValueError
+    sock = socket.create_connection(("127.0.0.1", port))
+    try:
+        fd = sock.fileno()
+        async with asyncio.timeout(WAKE):
+            with pytest.raises(expected):
+                await slabnet.open_connection(sock=sock, ssl=client_ctx(tls_ca), **kw)
+            await asyncio.sleep(0.01)  # (what a loop would close, it has)
+        assert sock.fileno() == fd
+        os.fstat(fd)  # still open
+        assert sock.getpeername()[1] == port  # and still this connection
+        # The caller may still use it: here for TLS done right.
+        async with asyncio.timeout(WAKE):
+            r, w = await slabnet.open_connection(
+                sock=sock, ssl=client_ctx(tls_ca), server_hostname="localhost"
+            )
+            w.close()
+            await w.wait_closed()
+    finally:
+        sock.close()
+        server.close()
+        async with asyncio.timeout(WAKE):
+            await server.wait_closed()
