@@ -129,7 +129,7 @@ async def test_a_tls_set_up_refused_leaves_the_callers_socket_as_it_was(
     whatever file had taken that number meanwhile. Now the engine is made
     before connecting, so ``s`` is untouched and still usable."""
     server = await slabnet.start_server(
-        lambda r, w: None, "127.0.0.1", 0, ssl=server_ctx(server_cert)
+        lambda r, w: w.close(), "127.0.0.1", 0, ssl=server_ctx(server_cert)
     )
     port = server.sockets[0].getsockname()[1]
     kw: dict[str, Any] = {"server_hostname": "localhost"}
