@@ -749,6 +749,10 @@ class StreamReader:
                 return data
         if isinstance(separator, tuple):
             if sys.version_info < (3, 13):
+                if not separator:
+                    # (asyncio's, which takes the tuple's length for a
+                    # separator's before 3.13.)
+                    raise ValueError("Separator should be at least one-byte string")
                 raise TypeError("a tuple of separators needs Python 3.13 (as asyncio)")
             seps = sorted(map(_as_bytes, separator), key=len)
             if not seps:
