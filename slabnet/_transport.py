@@ -1567,8 +1567,8 @@ class SlabProtocol(asyncio.BufferedProtocol):
     slabnet's TLS layer (``TLSTransport``) sits between the two: it is this
     protocol's upper protocol, and ``app`` gets it as its transport. (The
     loop's own TLS, ``ssl=`` given to the loop, is refused: its socket is
-    the TCP connection under that TLS, so the connection is aborted and
-    reported.) A TCP FIN without close_notify is EOF, as in asyncio, unless
+    the TCP connection under that TLS. ``loop.create_connection()`` raises
+    ``TypeError``; the loop reports a server's incoming connection so.) A TCP FIN without close_notify is EOF, as in asyncio, unless
     ``ssl_ragged_eof=False`` (then ``TLSTruncatedError``, after every byte).
     ``handshake_waiter`` gets the result once ``app`` has its transport (or
     the exception that prevented it).
@@ -1666,6 +1666,18 @@ class SlabProtocol(asyncio.BufferedProtocol):
         try:
             self._transport = tr = SlabTransport(self, transport, self._res)
         except Exception as exc:  # (no socket behind the transport, or the loop's TLS)
+            if transport.get_extra_info("sslcontext") is not None:
+                # The loop's TLS: raised, the loop's SSL protocol ends the
+                # connection, and loop.create_connection() (or
+                # connect_accepted_socket()) raises it, as for any protocol
+                # whose connection_made raises there; the loop reports it
+                # once (for a server's incoming connection, that is all).
+                # Reported and aborted here instead, the caller got a
+                # closed transport and no error.
+                waiter = self._waiter
+                if waiter is not None and not waiter.done():
+                    waiter.set_exception(exc)
+                raise
             self._setup_failed(exc)
             return
         server = getattr(transport, "_server", None)  # (the asyncio loop's, server side)

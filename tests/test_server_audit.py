@@ -9,6 +9,7 @@ is reported once (or not at all, for a client's fault), nothing is leaked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
 import ssl
@@ -419,8 +420,7 @@ async def test_a_slab_protocol_under_the_loops_tls_sends_no_plaintext(
                 wire += data
         assert b"secret" not in wire
         assert made == []
-        (context,) = handler.contexts
-        assert context["message"] == "slabnet: could not set up the connection"
+        (context,) = handler.contexts  # (the loop's report of what connection_made raised)
         assert isinstance(context["exception"], TypeError)
         assert "pass ssl= to SlabProtocol" in str(context["exception"])
     finally:
@@ -428,6 +428,71 @@ async def test_a_slab_protocol_under_the_loops_tls_sends_no_plaintext(
         loop.set_exception_handler(None)
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.parametrize("how", ["tcp", "unix", "accepted"])
+@pytest.mark.asyncio
+async def test_a_slab_protocol_under_the_loops_tls_makes_the_connect_raise(
+    how: str, server_cert: Any, tls_ca: Any, tmp_path: Path
+) -> None:
+    """``loop.create_connection(SlabProtocol factory, ssl=ctx)`` (or
+    ``create_unix_connection``, or ``connect_accepted_socket`` on the server
+    side): slabnet refuses the loop's TLS, but reported the refusal to the
+    exception handler and aborted the connection after the loop's
+    handshake, so the call returned a closed transport, as if it had
+    connected. It raises the ``TypeError`` now, as it raises what any
+    protocol's ``connection_made`` raises under the loop's TLS (which the
+    loop reports too)."""
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    made: list[Any] = []
+
+    class App(slabnet.ChunkProtocol):
+        def connection_made(self, transport: Any) -> None:
+            made.append(transport)
+
+    def factory() -> slabnet.SlabProtocol:
+        return slabnet.SlabProtocol(App(), server_side=how == "accepted")
+
+    baseline = open_fds()
+    client: asyncio.Future[Any] | None = None
+    if how == "unix":
+        path = str(tmp_path / "s")
+        server = await asyncio.start_unix_server(
+            lambda r, w: None, path, ssl=server_ctx(server_cert))
+        connect = loop.create_unix_connection(
+            factory, path, ssl=client_ctx(tls_ca), server_hostname="localhost")
+    else:
+        server = await asyncio.start_server(
+            lambda r, w: None, "127.0.0.1", 0, ssl=server_ctx(server_cert))
+        address = server.sockets[0].getsockname()[:2]
+        if how == "tcp":
+            connect = loop.create_connection(
+                factory, *address, ssl=client_ctx(tls_ca), server_hostname="localhost")
+        else:
+            listener = socket.create_server(("127.0.0.1", 0))
+            listener.setblocking(False)
+            client = asyncio.ensure_future(asyncio.open_connection(
+                *listener.getsockname(), ssl=client_ctx(tls_ca), server_hostname="localhost"))
+            with listener:
+                sock, _ = await asyncio.wait_for(loop.sock_accept(listener), WAKE)
+            connect = loop.connect_accepted_socket(factory, sock, ssl=server_ctx(server_cert))
+    try:
+        with pytest.raises(TypeError, match="pass ssl= to SlabProtocol"):
+            await asyncio.wait_for(connect, WAKE)
+        assert made == []
+        (context,) = handler.contexts  # the loop's report of it, once
+        assert isinstance(context["exception"], TypeError)
+    finally:
+        if client is not None:
+            with contextlib.suppress(OSError):
+                _, writer = await asyncio.wait_for(client, WAKE)
+                writer.close()
+        loop.set_exception_handler(None)
+        server.close()
+        await server.wait_closed()
+    assert await fds_settle(baseline) <= baseline
 
 
 @pytest.mark.parametrize("debug", [False, True], ids=["quiet", "debug"])
