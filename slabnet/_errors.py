@@ -79,11 +79,14 @@ class ShutdownTimeoutError(TimeoutError):
     """The peer did not answer close_notify within ``ssl_shutdown_timeout``."""
 
 
-class LocalAbortError(ConnectionAbortedError):
+class LocalAbortError(ConnectionAbortedError, ConnectionResetError):
     """This side aborted the connection (``transport.abort()``).
 
     Every waiter of the connection raises it: queued data was dropped, so an
-    EOF would hide the loss. ``wait_closed()`` does not.
+    EOF would hide the loss. ``wait_closed()`` does not. It is also a
+    ``ConnectionResetError``, what asyncio's ``drain()`` raises after an
+    abort (``Server.abort_clients()`` too), so that a handler's ``except
+    ConnectionResetError`` around ``drain()`` catches it there as well.
     """
 
 

@@ -459,6 +459,64 @@ async def test_abort_clients_drops_the_queue_of_a_slab_protocol_server(
     assert await fds_settle(baseline) <= baseline
 
 
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("how", ["abort", "abort_clients"])
+@pytest.mark.asyncio
+async def test_a_drain_cut_by_an_abort_raises_connection_reset_as_asyncio(
+    how: str, tls: bool, tls_server_context: ssl.SSLContext,
+    tls_client_context: ssl.SSLContext,
+) -> None:
+    # A handler blocked in drain() when its connection is aborted (by
+    # Server.abort_clients(), or by another task's transport.abort()):
+    # asyncio's drain() raises ConnectionResetError there, and a handler
+    # written for it catches that. slabnet's LocalAbortError was only a
+    # ConnectionAbortedError, so it escaped such a handler, and the loop
+    # logged "Unhandled exception in client_connected_cb".
+    loop = asyncio.get_running_loop()
+    if how == "abort_clients" and (
+        sys.version_info < (3, 13) or type(loop).__module__.startswith("uvloop")
+    ):
+        pytest.skip("Server.abort_clients() is new in 3.13, and uvloop's Server has none")
+    contexts: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda loop, context: contexts.append(context))
+    blocked: asyncio.Future[slabnet.StreamWriter] = loop.create_future()
+    caught: asyncio.Future[BaseException] = loop.create_future()
+
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        shrink(writer.get_extra_info("socket"))
+        try:
+            while True:
+                writer.write(os.urandom(16) * 4096)
+                if writer.transport.get_write_buffer_size() > 65536 and not blocked.done():
+                    loop.call_soon(blocked.set_result, writer)
+                await writer.drain()
+        except ConnectionResetError as exc:
+            caught.set_result(exc)
+
+    server = await slabnet.start_server(
+        handler, "127.0.0.1", 0, ssl=tls_server_context if tls else None)
+    kw: dict[str, Any] = {}
+    if tls:
+        kw = dict(ssl=tls_client_context, server_hostname="localhost")
+    reader, writer = await connect_small(server.sockets[0].getsockname()[1], **kw)
+    try:
+        server_writer = await asyncio.wait_for(blocked, WAKE)
+        if how == "abort":
+            server_writer.transport.abort()
+        else:
+            server.close()
+            getattr(server, how)()
+        exc = await asyncio.wait_for(caught, WAKE)
+        assert isinstance(exc, slabnet.LocalAbortError), repr(exc)
+        await asyncio.sleep(0.01)  # (the handler's task has ended)
+        assert contexts == []
+    finally:
+        loop.set_exception_handler(None)
+        writer.close()
+        server.close()
+        await asyncio.wait_for(server.wait_closed(), WAKE)
+
+
 # ------------------------------------------------ 13: one future per await
 
 
