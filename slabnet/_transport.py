@@ -447,6 +447,11 @@ class WriteGate(_FlowControlBase):
     if _SENDFILE:
         _sendfile_compatible = _SENDFILE_FALLBACK
 
+    # The asyncio loop's start_tls() takes every slabnet transport, as it
+    # takes its own TLS transports (TLS inside TLS): its SSLProtocol becomes
+    # the upper protocol through set_protocol(). uvloop's takes only its own.
+    _start_tls_compatible = True
+
     _loop: asyncio.AbstractEventLoop
 
     def _init_gate(self) -> None:
@@ -467,6 +472,17 @@ class WriteGate(_FlowControlBase):
 
     def get_write_buffer_limits(self) -> tuple[int, int]:
         return (self._low, self._high)
+
+    def abort(self, exc: BaseException | None = None) -> None:
+        raise NotImplementedError
+
+    def _force_close(self, exc: BaseException | None) -> None:
+        """What asyncio's ``SSLProtocol`` calls on a fatal error or when its
+        shutdown times out (``loop.start_tls()`` over this transport), as
+        the loop's transports have it: an abort whose error its
+        ``connection_lost`` reports, which wakes the ``start_tls()`` that
+        waits for the handshake."""
+        self.abort(exc)
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         self._high, self._low = flow_limits(high, low, DEFAULT_HIGH_WATER)
@@ -743,10 +759,6 @@ class _Duplicate:
 
 class SlabTransport(WriteGate):
     """The transport of a plain connection. Made by ``SlabProtocol``."""
-
-    # The asyncio loop's start_tls() takes it (its SSLProtocol becomes the
-    # upper protocol through set_protocol()); uvloop's takes only its own.
-    _start_tls_compatible = True
 
     # (Slots: an idle server holds one of these per connection. ``_loop``
     # is a slot of asyncio's _FlowControlMixin, under WriteGate.)
@@ -1053,14 +1065,6 @@ class SlabTransport(WriteGate):
         if self._out and not self._waiting_writable and self._send_open:
             self._send_queued()
         self._abort(exc or LocalAbortError("connection aborted locally (transport.abort())"))
-
-    def _force_close(self, exc: BaseException | None) -> None:
-        """What asyncio's ``SSLProtocol`` calls on a fatal error or when its
-        shutdown times out (``loop.start_tls()`` over this transport), as
-        the loop's transports have it: an abort whose error its
-        ``connection_lost`` reports, which wakes the ``start_tls()`` that
-        waits for the handshake."""
-        self.abort(exc)
 
     def _abort(self, exc: BaseException) -> None:
         if self._state is _State.CLOSED:

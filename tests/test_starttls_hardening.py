@@ -205,6 +205,72 @@ async def test_loop_start_tls_over_slabnet_reports_an_untrusted_server(
         await asyncio.gather(serving, return_exceptions=True)
 
 
+class Collecting(asyncio.Protocol):
+    """What the session that ``loop.start_tls()`` made delivers."""
+
+    def __init__(self) -> None:
+        self.got = bytearray()
+
+    def data_received(self, data: bytes) -> None:
+        self.got += data
+
+
+@pytest.mark.parametrize("name", ["localhost", "wrong.example"], ids=["ok", "mismatch"])
+@pytest.mark.asyncio
+async def test_loop_start_tls_runs_inside_a_slabnet_tls_session(
+    server_cert: Any, tls_ca: Any, loop_name: str, name: str
+) -> None:
+    # loop.start_tls() on a slabnet TLS transport: the asyncio loop takes
+    # its own TLS transports there (TLS inside TLS, as a client reaches a
+    # TLS destination through a TLS proxy), and slabnet's plain ones, but
+    # refused slabnet's TLS transport with TypeError ("transport ... is not
+    # supported by start_tls()"). A failed inner handshake ends the
+    # connection with its error, as on the plain transport. uvloop's
+    # start_tls() takes only uvloop's transports (the README).
+    loop = asyncio.get_running_loop()
+    peer: asyncio.Future[tuple[Any, Any]] = loop.create_future()
+
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter) -> None:
+        try:
+            await writer.start_tls(server_ctx(server_cert))  # the inner session
+            peer.set_result((reader, writer))
+        except Exception as exc:
+            peer.set_exception(exc)
+            writer.close()
+
+    server = await slabnet.start_server(handler, "127.0.0.1", 0, ssl=server_ctx(server_cert))
+    async with asyncio.timeout(WAKE):
+        reader, writer = await slabnet.open_connection(
+            *server.sockets[0].getsockname(), ssl=client_ctx(tls_ca), server_hostname="localhost")
+    try:
+        app = Collecting()
+        upgrade = loop.start_tls(writer.transport, app, client_ctx(tls_ca), server_hostname=name)
+        async with asyncio.timeout(WAKE):
+            if loop_name == "uvloop":
+                with pytest.raises(TypeError, match="not supported by start_tls"):
+                    await upgrade
+                return
+            if name != "localhost":
+                with pytest.raises(ssl.SSLCertVerificationError):
+                    await upgrade
+                assert writer.transport.is_closing()
+                with pytest.raises((ssl.SSLError, ConnectionResetError)):
+                    await peer  # (the client's alert, or none: asyncio's before 3.13)
+                return
+            inner = await upgrade
+            peer_reader, peer_writer = await peer
+            inner.write(b"ping" * 100_000)
+            assert await peer_reader.readexactly(400_000) == b"ping" * 100_000
+            peer_writer.write(b"pong")
+            await until(lambda: app.got == b"pong", "the inner session's reply")
+            assert writer.transport.get_protocol() is not app  # (its SSLProtocol)
+            assert inner.get_protocol() is app
+    finally:
+        writer.close()
+        server.close()
+        await server.wait_closed()
+
+
 # ------------------------------------------------- an upgrade refused before it starts
 
 
