@@ -80,8 +80,8 @@ from ._errors import (
 from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import (
     _AFTER_READ, _NOT_YET, CORK_LIMIT, EXITS, SlabTransport, WriteGate, _as_bytes_view, _keep,
-    _views_of, FEED, FEED_PAUSED, FEED_STOPPED, FEED_SWITCHED, _loop_resources, callback_name, chunk_deliverer,
-    flow_limits,
+    _views_of, _SELECTOR_LOOP, FEED, FEED_PAUSED, FEED_STOPPED, FEED_SWITCHED, _loop_resources,
+    callback_name, chunk_deliverer, flow_limits,
 )
 from ._write import WriteRequest
 
@@ -155,6 +155,10 @@ _STAGES: Final = {
 }
 
 
+async def _await(future: asyncio.Future[None]) -> None:
+    await future
+
+
 class TLSTransport(WriteGate):
     """The transport of a TLS connection, and the protocol of the plain
     connection under it. Made by ``SlabProtocol(app, ssl=...)`` and by
@@ -164,7 +168,10 @@ class TLSTransport(WriteGate):
     # table among the instance dicts of a class while they hold at most 30
     # keys; one more made each dict 1.3 KiB larger. The attributes added
     # last are slots instead.
-    __slots__ = ("_iterations", "_sent_in", "_held_plain", "_whole_reads", "__dict__", "__weakref__")
+    __slots__ = (
+        "_iterations", "_sent_in", "_held_plain", "_whole_reads", "_accepted", "__dict__",
+        "__weakref__",
+    )
 
     #: To the plain connection: ciphertext is copied into the engine before
     #: chunk_received returns.
@@ -239,6 +246,10 @@ class TLSTransport(WriteGate):
         # Requests whose plaintext the engine holds until a renegotiation
         # ends (TLSEngine.held_plaintext): tracked once it is encrypted.
         self._held: list[WriteRequest] = []
+        # A server's incoming connection on the asyncio loop, until its
+        # handshake ends: what the task that waits for it awaits (see
+        # _wait_as_accepted).
+        self._accepted: asyncio.Future[None] | None = None
         if app_paused:
             # STARTTLS on a plain connection whose writing is paused: the app
             # has had pause_writing and waits for its resume, which is ours
@@ -298,7 +309,38 @@ class TLSTransport(WriteGate):
                 self._fail(exc, "slabnet: could not set up the connection")
                 return
         self._timer = self._loop.call_later(self._handshake_timeout, self._handshake_timed_out)
+        assert self._engine is not None
+        incoming = self._waiter is None and not self._upgrade and self._engine.ssl_object.server_side
+        if incoming and isinstance(self._loop, _SELECTOR_LOOP):
+            self._wait_as_accepted()
         self._handshake()
+
+    def _wait_as_accepted(self) -> None:
+        """Give a server's incoming connection the task the asyncio loop
+        gives its own: that loop accepts each in a task that awaits the
+        handshake and closes the connection if it is cancelled, as
+        ``asyncio.run()`` cancels every task when it returns. So a client
+        that never finishes its handshake does not leave the socket open
+        past the run, for the collector to warn of. (uvloop has no such
+        task: its ``close()`` warns of the connection, as of its own.) The
+        task ends with the handshake; the future it awaits keeps it."""
+        self._accepted = accepted = self._loop.create_future()
+        accepted.add_done_callback(self._accept_cancelled)
+        self._loop.create_task(_await(accepted))
+
+    def _accept_cancelled(self, accepted: asyncio.Future[None]) -> None:
+        # (Cancelling the task cancels the future it awaits.) Not reported:
+        # nothing failed, the app has not seen the connection.
+        if accepted.cancelled() and self._stage is _Stage.HANDSHAKE and self._lower is not None:
+            self._read_over = True
+            self._abort(LocalAbortError("the TLS handshake was cancelled"))
+
+    def _handshake_over(self) -> None:
+        accepted = self._accepted
+        if accepted is not None:
+            self._accepted = None
+            if not accepted.done():
+                accepted.set_result(None)
 
     def chunk_received(self, data: memoryview) -> None:
         """Ciphertext from the plain connection, lent until we return."""
@@ -385,6 +427,7 @@ class TLSTransport(WriteGate):
             # from a chunk): nothing is left to time.
             self._timer.cancel()
             self._timer = None
+        self._handshake_over()
         err = self._error
         self._fail_writes(err or ConnectionResetError("connection lost with data unsent"))
         self._stage = _Stage.DONE  # always allowed: the connection is gone
@@ -886,6 +929,7 @@ class TLSTransport(WriteGate):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._handshake_over()
         self._set_stage(_Stage.READY)
         if not self._upgrade:
             self._app_made = True

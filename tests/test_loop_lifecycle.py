@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import re
 import socket
 import ssl
 import sys
@@ -433,6 +434,83 @@ def test_run_returns_with_connections_open(
     # (slabnet's own descriptor closes silently: the user never made it.)
     assert not [w for w in caught for fd in duplicate if f"fd={fd}," in str(w.message)]
     assert socket_fds() <= baseline
+
+
+def _run_with_an_incoming_handshake_open(
+    runner: Callable[..., Any], start_server: Callable[..., Any],
+    tls_server_context: ssl.SSLContext,
+) -> tuple[list[str], list[str], int]:
+    """Run a TLS server whose one client connects and never says a word,
+    and return once its connection waits in the handshake: the ``repr`` of
+    each warning of the run and of the collection after it (addresses
+    left out), the messages of the loop's exception handler, and how many
+    of the sockets that were open at the end of the run are still open."""
+    reports: list[str] = []
+    client = socket.socket()
+    opened: list[int] = []
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_exception_handler(lambda _, ctx: reports.append(str(ctx.get("message"))))
+
+        async def handler(reader: Any, writer: Any) -> None:
+            raise AssertionError("no handshake, no handler")
+
+        server = await start_server(handler, "127.0.0.1", 0, ssl=tls_server_context)
+        before = len(socket_ids())
+        client.connect(server.sockets[0].getsockname())
+        async with asyncio.timeout(WAKE):
+            while len(socket_ids()) <= before:  # (until the server has accepted it)
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.02)  # (its handshake has begun: it waits for the client)
+        opened.extend(socket_ids())
+
+    gc.collect()
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            runner(main())
+            gc.collect()
+    finally:
+        client.close()
+    seen = [re.sub(r"0x[0-9a-f]+|fd=[0-9]+|\(.*\)", "*", str(w.message)) for w in caught]
+    left = set(opened) & set(socket_ids())
+    return seen, reports, len(left)
+
+
+def socket_ids() -> list[int]:
+    """The inodes of the process's open sockets."""
+    ids = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:"):
+            ids.append(int(link[len("socket:["):-1]))
+    return ids
+
+
+@pytest.mark.parametrize("runner", RUNNERS)
+def test_run_returns_with_an_incoming_connection_in_its_handshake_as_asyncio(
+    runner: Callable[..., Any], tls_server_context: ssl.SSLContext,
+) -> None:
+    """``asyncio.run()``/``uvloop.run()`` returning while a TLS server's
+    incoming connection waits for its client's hello. The asyncio loop
+    accepts it in a task that awaits the handshake, which ``asyncio.run()``
+    cancels: the connection is closed then, quietly. slabnet's handshake
+    had no task, so its socket was left to the collector, which warned of
+    it twice (the socket, the loop's transport). uvloop has no such task:
+    its ``close()`` warns of the transport, under either library. Either
+    way slabnet warns of nothing asyncio's streams do not, reports nothing,
+    and leaves no socket open."""
+    ours, reports, left = _run_with_an_incoming_handshake_open(
+        runner, slabnet.start_server, tls_server_context)
+    theirs, _, _ = _run_with_an_incoming_handshake_open(
+        runner, asyncio.start_server, tls_server_context)
+    assert sorted(ours) == sorted(theirs)
+    assert reports == []
+    assert left == 0
 
 
 def test_interrupt_in_the_last_tls_delivery_still_reports_connection_lost(
