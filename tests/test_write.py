@@ -707,13 +707,19 @@ async def test_small_writes_to_a_peer_that_stops_reading_pin_no_shared_pool() ->
         assert out and stuck.transport._waiting_writable
         assert not any(write_mod.is_pooled(v) for v in out._bufs)  # copied out
         kept = None
+        queued = 0
         for i in range(rounds):
             req = stuck.write(b"%099d\n" % (100 + i))
-            assert req is not None  # queued: a request to await
-            if i == rounds // 2:
-                kept = req
+            if req is not None:  # queued: a request to await
+                queued += 1
+                if kept is None and i >= rounds // 2:
+                    kept = req
             busy.write(b"%099d\n" % i)
             await asyncio.sleep(0)
+        # (A full socket may still take a few KiB now and then, as the
+        # kernels pack the small segments queued on either side -- sooner
+        # on a busy machine -- but never the 500 KB written here.)
+        assert queued > rounds * 0.9
         assert kept is not None and not kept.done()
         # Every pool the busy connection filled was reused: none is pinned.
         assert pool.pools_allocated - allocated <= 1
