@@ -495,9 +495,12 @@ async def read_count(
     return received, counted
 
 
-async def send(ctx: ClientContext, size: int, wsize: int, *, tls: bool, burst: int = 1) -> dict[str, Any]:
+async def send(
+    ctx: ClientContext, size: int, wsize: int, *, tls: bool, burst: int = 1, lines: bool = False
+) -> dict[str, Any]:
     """Write ``size`` bytes in ``wsize``-byte writes, ``burst`` writes per
-    ``drain()``, then wait for the server's one-byte acknowledgement that it
+    ``drain()`` (with ``lines``, as one ``writelines()`` of ``burst``
+    pieces), then wait for the server's one-byte acknowledgement that it
     has received them all.  Works for asyncio and slabnet streams alike."""
     reader, writer = await open_streams(ctx, tls)
     data = payload(wsize)
@@ -506,6 +509,12 @@ async def send(ctx: ClientContext, size: int, wsize: int, *, tls: bool, burst: i
         meter.start()
         remaining = size
         write, drain = writer.write, writer.drain
+        if lines:
+            pieces = [data] * burst
+            while remaining >= wsize * burst:
+                writer.writelines(pieces)
+                remaining -= wsize * burst
+                await drain()
         while remaining > 0:
             for _ in range(burst):
                 if remaining <= 0:

@@ -1427,12 +1427,23 @@ def _views_of(list_of_data: Iterable[Any]) -> tuple[list[memoryview], int]:
     items: list[Any] | tuple[Any, ...] = (
         list_of_data if isinstance(list_of_data, (list, tuple)) else list(list_of_data)
     )
-    if set(map(type, items)) == {bytes}:
-        # (The common case, without a Python-level step per small buffer.)
-        total = sum(map(len, items))
-        if len(items) > 1 and total < len(items) * JOIN_BELOW:
-            return ([memoryview(b"".join(items))] if total else []), total
-        return [memoryview(b) for b in items if b], total
+    if len(items) > 1:
+        # Many small buffers are joined with no Python-level step per buffer.
+        # len() is the size in bytes of bytes, bytearrays and byte views;
+        # of other buffers it is at most that, and an item that is no
+        # buffer, or a view that join() cannot read, is left to the loop
+        # below, which names what is wrong with it.
+        try:
+            small = sum(map(len, items)) < len(items) * JOIN_BELOW
+        except TypeError:
+            small = False
+        if small:
+            try:
+                joined = b"".join(items)
+            except (TypeError, ValueError, BufferError):
+                pass
+            else:
+                return ([memoryview(joined)] if joined else []), len(joined)
     views = [v for v in map(_as_bytes_view, items) if v.nbytes]
     total = 0
     for v in views:
