@@ -85,13 +85,18 @@ garbage); ``UNEXPECTED_MESSAGE`` here, as before the handshake.
 
 * once the engine has told it the shortest record the connection's keys can
   produce (:meth:`RecordScanner.set_min_length`, when the handshake ends), a
-  length below it: no encrypted record is shorter than its cipher's tag (and
-  TLS 1.3's inner content type), so such a record can only fail to decrypt.
+  length below it: no encrypted record is shorter than its suite's empty
+  record (TLS 1.3: the tag and the inner content type; TLS 1.2: 24 bytes
+  with GCM and CCM, 16 with ChaCha20-Poly1305 and CCM_8, IV + MAC + 1 with
+  CBC), so such a record can only fail to decrypt.
   ``DECRYPTION_FAILED_OR_BAD_RECORD_MAC``, what OpenSSL says of such a TLS
-  1.3 record (of a TLS 1.2 one OpenSSL 3.0 says only "internal error").  In
-  TLS 1.3 this applies to application_data records, the only ones that are
-  encrypted.  Junk of tiny records is refused as it is parsed instead of
-  costing a run each until OpenSSL reads it.
+  1.3 record (of a short TLS 1.2 GCM one OpenSSL 3.0 says only "internal
+  error").  In TLS 1.3 this applies to application_data records, the only
+  ones that are encrypted.  In TLS 1.2 a renegotiation may agree on another
+  suite: from its change_cipher_spec on, the bound is 16, the shortest of
+  any suite, for the rest of the connection.  Junk of tiny records is
+  refused as it is parsed instead of costing a run each until OpenSSL reads
+  it.
 
 Before that, a zero-length record is not rejected here: whether it is legal
 depends on the content type, and OpenSSL checks it.
@@ -199,6 +204,7 @@ class RecordScanner:
         "_partial",
         "_max_length",
         "_min_length",
+        "_min_after_ccs",
         "_overhead",
         "_empty",
         "_error",
@@ -221,6 +227,7 @@ class RecordScanner:
         self._partial = b""  # the start of a header cut short by a feed (< 5)
         self._max_length = max_length
         self._min_length = 0  # no bound until set_min_length()
+        self._min_after_ccs = -1  # the bound after a change_cipher_spec (-1: the same)
         self._overhead = 0
         self._empty = _BARRIER  # nothing is batched until set_expansion()
         self._error: TLSRecordError | None = None
@@ -314,6 +321,7 @@ class RecordScanner:
                 pos = self._next_header
                 last = runs[-1]
                 last_size = -1
+                shortest = self._min_length  # (a change_cipher_spec may lower it)
         self._parsed += parsed
         self._next_header = pos
         if stopped:
@@ -375,6 +383,11 @@ class RecordScanner:
                 runs.append([offset, size, 1, ctype])
             self._parsed += 1
             self._next_header = offset + size
+            if ctype == CHANGE_CIPHER_SPEC and self._min_after_ccs >= 0:
+                # A TLS 1.2 renegotiation: the records after this one may
+                # be sealed with another suite, and so may every later one.
+                self._min_length = min(self._min_length, self._min_after_ccs)
+                self._min_after_ccs = -1
             return
         self._fail(offset, problem, reason)
 
@@ -418,11 +431,17 @@ class RecordScanner:
                     _too_long(max_length, length),
                 )
 
-    def set_min_length(self, min_length: int) -> None:
+    def set_min_length(self, min_length: int, after_ccs: int = -1) -> None:
         """Refuse records shorter than `min_length` from here on (TLS 1.3:
         application_data records only).  Records already parsed are not
-        checked again (OpenSSL refuses them when it reads them)."""
+        checked again (OpenSSL refuses them when it reads them).
+
+        With `after_ccs` >= 0, the bound becomes at most `after_ccs` from
+        the first change_cipher_spec record parsed after this call on, for
+        good: in TLS 1.2 only a renegotiation sends one once the handshake
+        is done, and the suite it agrees on seals the records after it."""
         self._min_length = min_length
+        self._min_after_ccs = after_ccs
 
     def set_expansion(self, overhead: int, empty_size: int) -> None:
         """Tell the scanner the negotiated record expansion.

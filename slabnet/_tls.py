@@ -217,7 +217,7 @@ _DRAIN_AT: Final = 65536
 # The shortest record any TLS 1.2 (or 1.0, 1.1) suite OpenSSL offers makes
 # once encryption is on: ChaCha20-Poly1305's tag, or CCM_8's explicit nonce
 # and tag; GCM makes 24, CBC and the MAC-only suites at least a 16-byte MAC.
-# A renegotiation may change the suite, so this, not the current one's.
+# The bound once a renegotiation may have changed the suite.
 _TLS12_SHORTEST: Final = 16
 
 # AEAD tag sizes: 16 bytes for GCM (NIST SP 800-38D as used by RFC 5288),
@@ -683,12 +683,14 @@ class TLSEngine:
         self._set_state(_OPEN)
         # Records shorter than the cipher makes can only fail to decrypt:
         # the scanner refuses them at once (see RecordScanner).
+        # The suite's empty record is its shortest (TLS 1.2 GCM: 24 bytes;
+        # OpenSSL 3.0 says only "internal error" of a shorter one); after a
+        # TLS 1.2 renegotiation's change_cipher_spec, any suite's.
         cipher = sslobj.cipher()
         if cipher is not None:
             shortest = _expansion(version, cipher[0])[0]
-            if self._tls12:
-                shortest = min(shortest, _TLS12_SHORTEST)
-            self._scanner.set_min_length(shortest)
+            after_ccs = _TLS12_SHORTEST if self._tls12 else -1
+            self._scanner.set_min_length(shortest, after_ccs)
         if version == "TLSv1.3":
             try:
                 self._scanner.set_max_length(MAX_LENGTH_TLS13)

@@ -119,13 +119,16 @@ class Peer:
 
 def engine_pair(
     tls_ca: Any, cert: Any, version: ssl.TLSVersion, *, engine_server: bool,
-    keylog: str | None = None, tickets: int = 0,
+    keylog: str | None = None, tickets: int = 0, ciphers: str | None = None,
 ) -> tuple[TLSEngine, Peer]:
     """An engine, OPEN, and its peer; a server peer sends `tickets` TLS 1.3
-    session tickets, which the engine has not been given (peer.take())."""
+    session tickets, which the engine has not been given (peer.take());
+    `ciphers` sets the TLS 1.2 server's suites."""
     sctx, cctx = server_ctx(cert, version), client_ctx(tls_ca, version)
     if version is TLS12 and keylog is not None:
         sctx.set_ciphers("ECDHE+AESGCM:!AES256")
+    if ciphers is not None:
+        sctx.set_ciphers(ciphers)
     sctx.num_tickets = tickets
     if keylog is not None:
         cctx.keylog_filename = keylog
@@ -457,6 +460,42 @@ def test_a_record_shorter_than_any_encrypted_one_fails_at_once(
         with pytest.raises(ssl.SSLError) as theirs:
             sslobj.read(100)
         assert openssl_like(exc) == openssl_like(theirs.value)
+
+
+@SIDES
+@pytest.mark.parametrize(
+    "ciphers, shortest",
+    [("ECDHE+AESGCM", 24), ("ECDHE+CHACHA20", 16)],
+    ids=["gcm", "chacha20"],
+)
+def test_a_tls12_record_shorter_than_its_suite_makes_fails_clearly(
+    tls_ca: Any, server_cert: Any, engine_server: bool, ciphers: str, shortest: int
+) -> None:
+    # TLS 1.2 GCM seals an empty record in 24 bytes (explicit nonce and
+    # tag), ChaCha20-Poly1305 in 16. A shorter one is refused where it
+    # starts, after the data in front of it, with the reason OpenSSL gives
+    # a record that fails to decrypt; OpenSSL 3.0 itself says only "[SSL]
+    # internal error" (reason None) of a 16-23-byte GCM record. A record of
+    # the suite's shortest length is left to OpenSSL, which fails to
+    # decrypt these (their bytes are not sealed).
+    engine, peer = engine_pair(tls_ca, server_cert, TLS12, engine_server=engine_server, ciphers=ciphers)
+    assert ("GCM" if shortest == 24 else "CHACHA20") in engine.ssl_object.cipher()[0]
+    peer.obj.write(b"first")
+    wire = peer.take()
+    for length in (16, shortest - 1):
+        if length >= shortest:
+            continue
+        twin, twin_peer = engine_pair(tls_ca, server_cert, TLS12, engine_server=engine_server, ciphers=ciphers)
+        twin_peer.obj.write(b"first")
+        chunks, exc, _ = read_all(twin, twin_peer.take() + b"\x17\x03\x03\x00" + bytes([length]) + bytes(length))
+        assert b"".join(chunks) == b"first"
+        assert isinstance(exc, TLSRecordError), repr(exc)
+        assert exc.reason == "DECRYPTION_FAILED_OR_BAD_RECORD_MAC"
+        assert f"application_data record length {length} is below {shortest}" in str(exc)
+        assert_final(twin, exc)
+    chunks, exc, _ = read_all(engine, wire + b"\x17\x03\x03\x00" + bytes([shortest]) + bytes(shortest))
+    assert b"".join(chunks) == b"first"
+    assert isinstance(exc, ssl.SSLError) and not isinstance(exc, TLSRecordError), repr(exc)
 
 
 # ---------------------------------------------------------------- forged records, engine level

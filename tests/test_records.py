@@ -15,6 +15,7 @@ from slabnet._errors import TLSRecordError
 from slabnet._records import (
     ALERT,
     APPLICATION_DATA,
+    CHANGE_CIPHER_SPEC,
     HANDSHAKE,
     HEADER_SIZE,
     MAX_LENGTH_TLS12,
@@ -342,6 +343,38 @@ def test_records_shorter_than_the_minimum_are_refused(split: bool) -> None:
             assert f"offset {len(bulk)}: " in str(info.value)
             assert f"length {length} is below {minimum}" in str(info.value)
             assert sc.fed == len(bulk) and sc.buffered_records == 8
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["whole", "bytewise"])
+def test_a_renegotiations_change_cipher_spec_lowers_the_minimum_for_good(split: bool) -> None:
+    # TLS 1.2 GCM: no record is shorter than 24 bytes, until a
+    # renegotiation's change_cipher_spec (the only one after the handshake)
+    # switches to a suite whose empty records may be 16 bytes (ChaCha20,
+    # CCM_8). The records behind it, in the same feed too, get 16; so does
+    # everything after, whatever comes.
+    def feed(sc: RecordScanner, data: bytes) -> None:
+        for i in range(len(data)) if split else [0]:
+            sc.feed(data[i : i + 1] if split else data)
+
+    bulk = record(APPLICATION_DATA, 1024) * 8
+    sc = RecordScanner(MAX_LENGTH_TLS12)
+    sc.set_min_length(24, after_ccs=16)
+    with pytest.raises(TLSRecordError, match="length 16 is below 24"):
+        feed(sc, bulk + record(APPLICATION_DATA, 16))
+    sc = RecordScanner(MAX_LENGTH_TLS12)
+    sc.set_min_length(24, after_ccs=16)
+    after = record(APPLICATION_DATA, 16) + bulk + record(HANDSHAKE, 16)
+    feed(sc, bulk + record(HANDSHAKE, 40) + record(CHANGE_CIPHER_SPEC, 25) + after)
+    feed(sc, record(CHANGE_CIPHER_SPEC, 16) + record(APPLICATION_DATA, 16))
+    assert sc.buffered_records == 8 + 2 + 1 + 8 + 1 + 2
+    with pytest.raises(TLSRecordError, match="length 15 is below 16"):
+        feed(sc, record(APPLICATION_DATA, 15))
+    # Without after_ccs (TLS 1.3, whose change_cipher_spec records are
+    # compatibility padding), the bound stays.
+    sc = RecordScanner(MAX_LENGTH_TLS13)
+    sc.set_min_length(17)
+    with pytest.raises(TLSRecordError, match="length 16 is below 17"):
+        feed(sc, record(CHANGE_CIPHER_SPEC, 1) + record(APPLICATION_DATA, 16))
 
 
 def test_set_max_length_rechecks_buffered_records() -> None:
