@@ -365,14 +365,7 @@ class StreamReader:
         if self._waiter is not None:
             self._wakeup_waiter()
         if size > 2 * self._limit and not self._paused:
-            transport = self._transport
-            if transport is not None:
-                try:
-                    transport.pause_reading()  # type: ignore[attr-defined]
-                except NotImplementedError:
-                    self._transport = None
-                else:
-                    self._paused = True
+            self._paused = self._pause_transport()
 
     _feed_chunk = _put_chunk
 
@@ -384,12 +377,20 @@ class StreamReader:
         asyncio's reads never return such bytes either (its default loop
         fails the connection: "feed_data after feed_eof"). ``_paused`` is
         left alone: no read resumes a reader that takes nothing more."""
+        self._pause_transport()
+
+    def _pause_transport(self) -> bool:
+        """Ask the transport to stop reading; False if there is none or it
+        cannot (then it is not asked again)."""
         transport = self._transport
-        if transport is not None:
-            try:
-                transport.pause_reading()  # type: ignore[attr-defined]
-            except NotImplementedError:
-                self._transport = None
+        if transport is None:
+            return False
+        try:
+            transport.pause_reading()  # type: ignore[attr-defined]
+        except NotImplementedError:
+            self._transport = None
+            return False
+        return True
 
     def _seal_tail(self) -> None:
         """Move the coalesced small chunks into the chunk queue as one chunk.

@@ -570,3 +570,55 @@ async def small_listener() -> AsyncIterator[socket.socket]:
     sock.setblocking(False)
     yield sock
     sock.close()
+
+
+# ------------------------------------------------------------------ stream helpers
+
+
+async def until(
+    done: Callable[[], object], what: str, *, timeout: float = 10.0, step: float = 0.005
+) -> None:
+    """Wait until ``done()`` is true, polling every ``step`` seconds (0: every
+    loop iteration); AssertionError naming ``what`` after ``timeout``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not done():
+        if loop.time() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(step)
+
+
+@contextlib.asynccontextmanager
+async def stream_pair(
+    lib: Any, tls: bool, tls_ca: Any, server_cert: Any, *, timeout: float = 10.0
+) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
+    """A connection made with ``lib``'s streams (asyncio or slabnet) at both
+    ends: the client's reader and writer, then the server's; aborted and
+    the server closed on the way out."""
+    loop = asyncio.get_running_loop()
+    accepted: asyncio.Future[tuple[Any, Any]] = loop.create_future()
+
+    async def handle(r: Any, w: Any) -> None:
+        accepted.set_result((r, w))
+
+    server = await lib.start_server(
+        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
+    )
+    writers: list[Any] = []
+    try:
+        port = server.sockets[0].getsockname()[1]
+        async with asyncio.timeout(timeout):
+            r, w = await lib.open_connection(
+                "127.0.0.1", port, ssl=client_ctx(tls_ca) if tls else None,
+                server_hostname="localhost" if tls else None,
+            )
+            writers.append(w)
+            pr, pw = await accepted
+            writers.append(pw)
+        yield r, w, pr, pw
+    finally:
+        for wr in writers:
+            wr.transport.abort()
+        server.close()
+        async with asyncio.timeout(timeout):
+            await server.wait_closed()

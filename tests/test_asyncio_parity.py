@@ -11,13 +11,12 @@ import array
 import asyncio
 import os
 import socket
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import slabnet
-from conftest import client_ctx, hard_close, server_ctx
+from conftest import client_ctx, hard_close, server_ctx, until
 
 WAKE = 5.0  # seconds any waiter may take to wake
 
@@ -35,16 +34,6 @@ async def connect(
         reader, writer = await opening
     peer.setblocking(False)
     return reader, writer, peer
-
-
-async def until(done: Callable[[], bool], what: str) -> None:
-    """Wait (a loop iteration at a time) until ``done()`` is true."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAKE
-    while not done():
-        if loop.time() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.005)
 
 
 @pytest.mark.asyncio
@@ -71,10 +60,10 @@ async def test_reader_repr_has_asyncio_fields(listener: socket.socket) -> None:
         async with asyncio.timeout(WAKE):
             assert await pending == b"abcd"
         await loop.sock_sendall(peer, b"xyz")
-        await until(lambda: "bytes" in repr(reader), "3 bytes buffered")
+        await until(lambda: "bytes" in repr(reader), "3 bytes buffered", timeout=WAKE)
         assert repr(reader) == f"<StreamReader 3 bytes limit=123 {tr()}>"
         peer.shutdown(socket.SHUT_WR)
-        await until(lambda: "eof" in repr(reader), "EOF seen")
+        await until(lambda: "eof" in repr(reader), "EOF seen", timeout=WAKE)
         assert repr(reader) == f"<StreamReader 3 bytes eof limit=123 {tr()}>"
     finally:
         writer.close()

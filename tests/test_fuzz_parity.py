@@ -33,13 +33,12 @@ import random
 import socket
 import ssl
 import sys
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 import slabnet
-from conftest import RawTLS, client_ctx, server_ctx, unread
+from conftest import RawTLS, client_ctx, server_ctx, unread, until
 
 WAKE = 10.0  # seconds a lockstep wait may take
 SEPS = [b"\n", b"\r\n", b"--boundary--", b"ab", b"\n\n"]
@@ -230,15 +229,6 @@ async def run_op(reader: Any, op: Op, watch: Watch) -> tuple[Any, ...]:
 # ------------------------------------------------------------------ a run
 
 
-async def until(done: Callable[[], bool], what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAKE
-    while not done():
-        if loop.time() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0)
-
-
 async def play(
     seed: int, slab: bool, ops: list[Op], listener: socket.socket,
     ctx: tuple[ssl.SSLContext, ssl.SSLContext] | None,
@@ -291,7 +281,7 @@ async def play(
                 await until(lambda: task.done() or (
                     unread(sock) == 0 and watch.received >= plain
                     and watch.waiting() and not watch.busy
-                ), f"segment up to {sent} read")
+                ), f"segment up to {sent} read", timeout=WAKE, step=0)
             if tls is not None and case["ending"] == "close_notify":
                 await loop.sock_sendall(peer, tls.close_notify())
             peer.shutdown(socket.SHUT_WR)

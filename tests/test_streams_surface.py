@@ -8,64 +8,18 @@ loopback sockets, and bounds each wait.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import socket
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
 
 import slabnet
-from conftest import client_ctx, server_ctx
+from conftest import client_ctx, server_ctx, stream_pair, until
 
 WAKE = 5.0  # seconds any waiter may take to wake
 
 TLS = pytest.mark.parametrize("tls", [False, True], ids=["tcp", "tls"])
-
-Pair = tuple[slabnet.StreamReader, slabnet.StreamWriter, slabnet.StreamReader, slabnet.StreamWriter]
-
-
-@contextlib.asynccontextmanager
-async def stream_pair(tls: bool, tls_ca: Any, server_cert: Any) -> AsyncIterator[Pair]:
-    """A slabnet client and the slabnet server connection it reached."""
-    loop = asyncio.get_running_loop()
-    accepted: asyncio.Future[tuple[Any, Any]] = loop.create_future()
-
-    async def handle(reader: Any, writer: Any) -> None:
-        accepted.set_result((reader, writer))
-
-    server = await slabnet.start_server(
-        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
-    )
-    writers: list[slabnet.StreamWriter] = []
-    try:
-        async with asyncio.timeout(WAKE):
-            r, w = await slabnet.open_connection(
-                *server.sockets[0].getsockname()[:2],
-                ssl=client_ctx(tls_ca) if tls else None,
-                server_hostname="localhost" if tls else None,
-            )
-            writers.append(w)
-            pr, pw = await accepted
-            writers.append(pw)
-        yield r, w, pr, pw
-    finally:
-        for writer in writers:
-            writer.transport.abort()
-        server.close()
-        async with asyncio.timeout(WAKE):
-            await server.wait_closed()
-
-
-async def until(done: Callable[[], object], what: str) -> None:
-    """Wait (a loop iteration at a time) until ``done()`` is true."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + WAKE
-    while not done():
-        if loop.time() > deadline:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.005)
 
 
 @pytest.mark.asyncio
@@ -83,7 +37,7 @@ async def test_no_byte_is_read_after_the_app_ended_its_reader(
     (reading stops: the peer's bytes wait in the kernel) and the writer
     still works."""
     for end in ("feed_eof", "set_exception"):
-        async with stream_pair(tls, tls_ca, server_cert) as (r, w, pr, pw):
+        async with stream_pair(slabnet, tls, tls_ca, server_cert, timeout=WAKE) as (r, w, pr, pw):
             pw.write(b"before")
             async with asyncio.timeout(WAKE):
                 assert await r.readexactly(6) == b"before"
@@ -97,7 +51,8 @@ async def test_no_byte_is_read_after_the_app_ended_its_reader(
                         await r.read(100)
                 pw.write(b"after")
                 await until(
-                    lambda: not w.transport.is_reading() or r._buffer, "'after' taken in"
+                    lambda: not w.transport.is_reading() or r._buffer, "'after' taken in",
+                    timeout=WAKE,
                 )
                 for _ in range(2):  # (a read must not resume what it stopped)
                     if end == "feed_eof":

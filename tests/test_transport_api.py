@@ -26,7 +26,9 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import Handler, RawTLS, client_ctx, server_ctx, unread, wait_acked
+from conftest import (
+    Handler, RawTLS, client_ctx, server_ctx, stream_pair, unread, wait_acked,
+)
 
 WAKE = 10.0  # seconds any waiter may take
 LIBS = (asyncio, slabnet)
@@ -37,39 +39,6 @@ Pair = tuple[Any, Any, Any, Any]  # (reader, writer, peer reader, peer writer)
 
 def uvloop_running() -> bool:
     return not isinstance(asyncio.get_running_loop(), asyncio.BaseEventLoop)
-
-
-@contextlib.asynccontextmanager
-async def stream_pair(lib: Any, tls: bool, tls_ca: Any, server_cert: Any) -> AsyncIterator[Pair]:
-    """A connection made with ``lib``'s streams (asyncio or slabnet) at both
-    ends: the client's reader and writer, then the server's."""
-    loop = asyncio.get_running_loop()
-    accepted: asyncio.Future[tuple[Any, Any]] = loop.create_future()
-
-    async def handle(r: Any, w: Any) -> None:
-        accepted.set_result((r, w))
-
-    server = await lib.start_server(
-        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
-    )
-    writers: list[Any] = []
-    try:
-        port = server.sockets[0].getsockname()[1]
-        async with asyncio.timeout(WAKE):
-            r, w = await lib.open_connection(
-                "127.0.0.1", port, ssl=client_ctx(tls_ca) if tls else None,
-                server_hostname="localhost" if tls else None,
-            )
-            writers.append(w)
-            pr, pw = await accepted
-            writers.append(pw)
-        yield r, w, pr, pw
-    finally:
-        for wr in writers:
-            wr.transport.abort()
-        server.close()
-        async with asyncio.timeout(WAKE):
-            await server.wait_closed()
 
 
 def a_file(data: bytes) -> Any:
