@@ -32,6 +32,7 @@ import socket
 import ssl
 import struct
 import sys
+import tempfile
 import termios
 import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
@@ -590,35 +591,44 @@ async def until(
 
 @contextlib.asynccontextmanager
 async def stream_pair(
-    lib: Any, tls: bool, tls_ca: Any, server_cert: Any, *, timeout: float = 10.0
+    lib: Any, tls: bool, tls_ca: Any, server_cert: Any, *, unix: bool = False,
+    timeout: float = 10.0,
 ) -> AsyncIterator[tuple[Any, Any, Any, Any]]:
     """A connection made with ``lib``'s streams (asyncio or slabnet) at both
-    ends: the client's reader and writer, then the server's; aborted and
-    the server closed on the way out."""
+    ends, over TCP on loopback or (``unix``) a Unix socket: the client's
+    reader and writer, then the server's; aborted and the server closed on
+    the way out."""
     loop = asyncio.get_running_loop()
     accepted: asyncio.Future[tuple[Any, Any]] = loop.create_future()
 
     async def handle(r: Any, w: Any) -> None:
         accepted.set_result((r, w))
 
-    server = await lib.start_server(
-        handle, "127.0.0.1", 0, ssl=server_ctx(server_cert) if tls else None
-    )
-    writers: list[Any] = []
-    try:
-        port = server.sockets[0].getsockname()[1]
-        async with asyncio.timeout(timeout):
-            r, w = await lib.open_connection(
-                "127.0.0.1", port, ssl=client_ctx(tls_ca) if tls else None,
-                server_hostname="localhost" if tls else None,
-            )
-            writers.append(w)
-            pr, pw = await accepted
-            writers.append(pw)
-        yield r, w, pr, pw
-    finally:
-        for wr in writers:
-            wr.transport.abort()
-        server.close()
-        async with asyncio.timeout(timeout):
-            await server.wait_closed()
+    with tempfile.TemporaryDirectory() if unix else contextlib.nullcontext("") as d:
+        server_ssl = server_ctx(server_cert) if tls else None
+        if unix:
+            path = os.path.join(d, "s")
+            server = await lib.start_unix_server(handle, path, ssl=server_ssl)
+        else:
+            server = await lib.start_server(handle, "127.0.0.1", 0, ssl=server_ssl)
+        client_ssl: dict[str, Any] = (
+            {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
+        )
+        writers: list[Any] = []
+        try:
+            async with asyncio.timeout(timeout):
+                if unix:
+                    r, w = await lib.open_unix_connection(path, **client_ssl)
+                else:
+                    port = server.sockets[0].getsockname()[1]
+                    r, w = await lib.open_connection("127.0.0.1", port, **client_ssl)
+                writers.append(w)
+                pr, pw = await accepted
+                writers.append(pw)
+            yield r, w, pr, pw
+        finally:
+            for wr in writers:
+                wr.transport.abort()
+            server.close()
+            async with asyncio.timeout(timeout):
+                await server.wait_closed()

@@ -50,6 +50,12 @@ def kind(ctype: int, length: int) -> tuple[str, int]:
 KINDS = [kind(t, n) for t, n in RECORDS]
 
 
+def feed_all(sc: RecordScanner, data: bytes, split: bool) -> None:
+    """Feed ``data`` whole, or a byte at a time if ``split``."""
+    for i in range(len(data)) if split else [0]:
+        sc.feed(data[i : i + 1] if split else data)
+
+
 def walk(
     scanner: RecordScanner, stream_len: int, start: int = 0
 ) -> list[tuple[str, int]]:
@@ -321,10 +327,6 @@ def test_records_shorter_than_the_minimum_are_refused(split: bool) -> None:
     # stays readable), whether it comes in the middle of a bulk piece or
     # byte by byte. In TLS 1.3 only application_data records are encrypted:
     # a short alert or change_cipher_spec record is left to OpenSSL.
-    def feed(sc: RecordScanner, data: bytes) -> None:
-        for i in range(len(data)) if split else [0]:
-            sc.feed(data[i : i + 1] if split else data)
-
     bulk = record(APPLICATION_DATA, 1024) * 8
     for limit, ok, bad in [
         (MAX_LENGTH_TLS13, [record(APPLICATION_DATA, 17), record(ALERT, 2)], [(APPLICATION_DATA, 16)]),
@@ -333,12 +335,12 @@ def test_records_shorter_than_the_minimum_are_refused(split: bool) -> None:
         minimum = 17 if limit == MAX_LENGTH_TLS13 else 16
         sc = RecordScanner(limit)
         sc.set_min_length(minimum)
-        feed(sc, bulk + b"".join(ok))
+        feed_all(sc, bulk + b"".join(ok), split)
         for ctype, length in bad:
             sc = RecordScanner(limit)
             sc.set_min_length(minimum)
             with pytest.raises(TLSRecordError) as info:
-                feed(sc, bulk + record(ctype, length) + bulk)
+                feed_all(sc, bulk + record(ctype, length) + bulk, split)
             assert info.value.reason == "DECRYPTION_FAILED_OR_BAD_RECORD_MAC"
             assert f"offset {len(bulk)}: " in str(info.value)
             assert f"length {length} is below {minimum}" in str(info.value)
@@ -352,29 +354,25 @@ def test_a_renegotiations_change_cipher_spec_lowers_the_minimum_for_good(split: 
     # switches to a suite whose empty records may be 16 bytes (ChaCha20,
     # CCM_8). The records behind it, in the same feed too, get 16; so does
     # everything after, whatever comes.
-    def feed(sc: RecordScanner, data: bytes) -> None:
-        for i in range(len(data)) if split else [0]:
-            sc.feed(data[i : i + 1] if split else data)
-
     bulk = record(APPLICATION_DATA, 1024) * 8
     sc = RecordScanner(MAX_LENGTH_TLS12)
     sc.set_min_length(24, after_ccs=16)
     with pytest.raises(TLSRecordError, match="length 16 is below 24"):
-        feed(sc, bulk + record(APPLICATION_DATA, 16))
+        feed_all(sc, bulk + record(APPLICATION_DATA, 16), split)
     sc = RecordScanner(MAX_LENGTH_TLS12)
     sc.set_min_length(24, after_ccs=16)
     after = record(APPLICATION_DATA, 16) + bulk + record(HANDSHAKE, 16)
-    feed(sc, bulk + record(HANDSHAKE, 40) + record(CHANGE_CIPHER_SPEC, 25) + after)
-    feed(sc, record(CHANGE_CIPHER_SPEC, 16) + record(APPLICATION_DATA, 16))
+    feed_all(sc, bulk + record(HANDSHAKE, 40) + record(CHANGE_CIPHER_SPEC, 25) + after, split)
+    feed_all(sc, record(CHANGE_CIPHER_SPEC, 16) + record(APPLICATION_DATA, 16), split)
     assert sc.buffered_records == 8 + 2 + 1 + 8 + 1 + 2
     with pytest.raises(TLSRecordError, match="length 15 is below 16"):
-        feed(sc, record(APPLICATION_DATA, 15))
+        feed_all(sc, record(APPLICATION_DATA, 15), split)
     # Without after_ccs (TLS 1.3, whose change_cipher_spec records are
     # compatibility padding), the bound stays.
     sc = RecordScanner(MAX_LENGTH_TLS13)
     sc.set_min_length(17)
     with pytest.raises(TLSRecordError, match="length 16 is below 17"):
-        feed(sc, record(CHANGE_CIPHER_SPEC, 1) + record(APPLICATION_DATA, 16))
+        feed_all(sc, record(CHANGE_CIPHER_SPEC, 1) + record(APPLICATION_DATA, 16), split)
 
 
 def test_set_max_length_rechecks_buffered_records() -> None:

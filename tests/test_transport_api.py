@@ -20,7 +20,6 @@ import subprocess
 import sys
 import tempfile
 import weakref
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -33,8 +32,6 @@ from conftest import (
 WAKE = 10.0  # seconds any waiter may take
 LIBS = (asyncio, slabnet)
 TLS = pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
-
-Pair = tuple[Any, Any, Any, Any]  # (reader, writer, peer reader, peer writer)
 
 
 def uvloop_running() -> bool:
@@ -707,44 +704,11 @@ INFO_KEYS = (
 )
 
 
-@contextlib.asynccontextmanager
-async def unix_stream_pair(lib: Any, tls: bool, tls_ca: Any, server_cert: Any) -> AsyncIterator[Pair]:
-    loop = asyncio.get_running_loop()
-    accepted: asyncio.Future[tuple[Any, Any]] = loop.create_future()
-
-    async def handle(r: Any, w: Any) -> None:
-        accepted.set_result((r, w))
-
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "s")
-        server = await lib.start_unix_server(
-            handle, path, ssl=server_ctx(server_cert) if tls else None
-        )
-        writers: list[Any] = []
-        try:
-            async with asyncio.timeout(WAKE):
-                r, w = await lib.open_unix_connection(
-                    path, ssl=client_ctx(tls_ca) if tls else None,
-                    server_hostname="localhost" if tls else None,
-                )
-                writers.append(w)
-                pr, pw = await accepted
-                writers.append(pw)
-            yield r, w, pr, pw
-        finally:
-            for wr in writers:
-                wr.transport.abort()
-            server.close()
-            async with asyncio.timeout(WAKE):
-                await server.wait_closed()
-
-
 async def api_outcomes(lib: Any, tls: bool, unix: bool, tls_ca: Any, server_cert: Any) -> dict[str, Any]:
     """Every public method and extra-info key of a ``lib`` stream's
     transport, from open to lost, and the StreamWriter's own."""
-    pair = unix_stream_pair if unix else stream_pair
     out: dict[str, Any] = {}
-    async with pair(lib, tls, tls_ca, server_cert) as (r, w, pr, pw):
+    async with stream_pair(lib, tls, tls_ca, server_cert, unix=unix) as (r, w, pr, pw):
         t = w.transport
         out["writer.transport is the transport"] = w.transport is t
         for key in INFO_KEYS:
