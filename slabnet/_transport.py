@@ -720,6 +720,17 @@ def _abort_ours_first(server: Any) -> None:
     if getattr(server, "_slabnet_aborts_first", False):
         return
     server._slabnet_aborts_first = True
+    # The replacement lives in the server's __dict__, so it must not refer
+    # to the server: a bound method of it would make a cycle, and a closed
+    # Server (its protocol factory, the app's handler and all it refers to)
+    # would wait for the cyclic collector instead of going with its last
+    # reference, as asyncio's does.
+    server_ref = weakref.ref(server)
+    if getattr(abort_clients, "__self__", None) is server:
+        loops_abort = abort_clients.__func__
+        set_on_instance = None
+    else:  # (an abort_clients the app set on the instance: kept as it is)
+        loops_abort, set_on_instance = None, abort_clients
 
     def abort_slabnet_clients() -> None:
         for raw in list(clients):
@@ -729,7 +740,10 @@ def _abort_ours_first(server: Any) -> None:
             tr = proto._transport if isinstance(proto, SlabProtocol) else None
             if tr is not None:
                 tr.abort()
-        abort_clients()
+        if set_on_instance is not None:
+            set_on_instance()
+        else:
+            loops_abort(server_ref())  # (alive: this is called through it)
 
     server.abort_clients = abort_slabnet_clients
 

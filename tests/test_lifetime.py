@@ -16,7 +16,9 @@ import asyncio
 import gc
 import sys
 import ssl
+import weakref
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -163,3 +165,60 @@ async def test_an_open_tls_transport_keeps_a_key_sharing_dict(
     finally:
         server.close()
         await server.wait_closed()
+
+
+class _Closer(slabnet.ChunkProtocol):
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+class _AppState:
+    """What an app's handler refers to (a cache, a model, a pool)."""
+
+
+@pytest.mark.parametrize("how", ["start_server", "start_unix_server", "app_factory"])
+@pytest.mark.asyncio
+async def test_a_closed_server_goes_with_its_last_reference(how: str, tmp_path: Any) -> None:
+    # On 3.13 (asyncio loop) slabnet gives each Server an abort_clients()
+    # that aborts its transports first. That replacement held the Server's
+    # own bound method in the Server's __dict__: a cycle, so a closed
+    # Server, its protocol factory and all the handler refers to waited for
+    # the cyclic collector, where asyncio's Server goes at once.
+    state = _AppState()
+
+    async def handler(reader: slabnet.StreamReader, writer: slabnet.StreamWriter,
+                      state: _AppState = state) -> None:
+        writer.close()
+
+    loop = asyncio.get_running_loop()
+    if how == "start_server":
+        server = await slabnet.start_server(handler, "127.0.0.1", 0)
+    elif how == "start_unix_server":
+        server = await slabnet.start_unix_server(handler, str(tmp_path / "s"))
+    else:  # a SlabProtocol factory of the app's own: the first connection hooks it
+        def factory(state: _AppState = state) -> slabnet.SlabProtocol:
+            return slabnet.SlabProtocol(_Closer())
+
+        server = await loop.create_server(factory, "127.0.0.1", 0)
+        del factory
+    if how != "start_unix_server":
+        reader, writer = await asyncio.wait_for(
+            slabnet.open_connection(*server.sockets[0].getsockname()[:2]), 5
+        )
+        await asyncio.wait_for(reader.read(), 5)  # (served: the server hooked)
+        writer.close()
+        await writer.wait_closed()
+    if hasattr(server, "abort_clients"):
+        server.abort_clients()  # (still works: and aborts nothing here)
+    server.close()
+    await asyncio.wait_for(server.wait_closed(), 5)
+    gc.collect()
+    gc.disable()
+    try:
+        server_ref, state_ref = weakref.ref(server), weakref.ref(state)
+        del server, state, handler
+        await asyncio.sleep(0.05)  # (the loop lets go of what it scheduled)
+        assert server_ref() is None, "a closed Server kept alive by a cycle"
+        assert state_ref() is None
+    finally:
+        gc.enable()
