@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import platform
 import socket
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -574,3 +577,72 @@ async def test_pause_from_connection_made_holds_the_socket() -> None:
         listener.close()
         if app.transport is not None:
             app.transport.close()
+
+
+# ---------------------------------------------------------------- resident memory after a burst
+
+_BURST = r"""
+import asyncio, gc, sys
+import slabnet
+from slabnet import _slab
+
+TOTAL = 64 << 20
+
+def rss():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+async def main():
+    _slab.TRIM_INTERVAL = 0.05
+    async def handle(reader, writer):
+        block = bytes(range(256)) * 4096
+        for _ in range(TOTAL // len(block)):
+            writer.write(block)
+            await writer.drain()
+        writer.close()
+    server = await slabnet.start_server(handle, "127.0.0.1", 0)
+    bytearray(4 << 20)  # (freed: glibc's mmap threshold rises, as in any busy process)
+    gc.collect()
+    before = rss()
+    reader, writer = await slabnet.open_connection(*server.sockets[0].getsockname()[:2])
+    kept, notes = [], []
+    async for chunk in reader.chunks():
+        kept.append(chunk)
+        notes.append(bytes(2000))  # what the app keeps of each chunk
+    assert sum(map(len, kept)) == TOTAL
+    peak = rss()
+    del kept, chunk
+    async with asyncio.timeout(20):
+        while slabnet.memory_stats().held_bytes > _slab._IDLE_KEEP:
+            await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)  # (a trim tick after the last release)
+    print(before, peak, rss(), len(notes))
+    writer.close()
+    server.close()
+    await server.wait_closed()
+
+if sys.argv[1] == "uvloop":
+    import uvloop
+    uvloop.run(main())
+else:
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="what is measured is glibc's malloc")
+@pytest.mark.parametrize("loop_name", ["asyncio", "uvloop"])
+def test_a_burst_of_kept_chunks_leaves_no_resident_memory_once_trimmed(loop_name: str) -> None:
+    # 64 MiB read and every chunk kept, with 2,000 bytes of the app's own
+    # per chunk (still kept after), then every chunk dropped. The trims
+    # released each slab to malloc, but glibc kept the memory resident (a
+    # 256 KiB bytearray comes from its heap once a larger buffer was freed,
+    # and the app's small blocks between them stop the heap from
+    # shrinking): 10 MB or all 67 MB stayed, where the process was before
+    # the burst. Now the trims ask glibc to give free pages back.
+    done = subprocess.run(
+        [sys.executable, "-c", _BURST, loop_name], capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    before, peak, after, notes = map(int, done.stdout.split())
+    assert peak - before > 48 << 20  # (the burst was resident)
+    assert after - before < (4 << 20) + notes * 2000, (before, peak, after)
