@@ -327,6 +327,13 @@ class ChunkProtocol(asyncio.BaseProtocol):
     ``pause_writing``/``resume_writing`` bracket periods where the write
     buffer is above its high-water mark.
 
+    Data before errors: bytes that arrived before the connection failed are
+    delivered first, so ``chunk_received`` can come while reading is paused,
+    just before ``connection_lost(exc)`` -- with the little a paused plain
+    connection read (at most 1 KiB), or the TLS chunks already decrypted.
+    (A plain ``asyncio.Protocol`` under ``SlabProtocol`` gets no data while
+    paused: those bytes are dropped for it, as asyncio's transports do.)
+
     ``chunk`` is a read-only, non-empty ``memoryview``. A plain TCP chunk may
     be a view of the loop's read slab: keeping it keeps that slab alive (see
     ``slabnet.memory_stats()``); copy it (``bytes(chunk)``) to keep a few
