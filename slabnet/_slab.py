@@ -671,7 +671,8 @@ class ReadSlab:
         ciphertext, the other sizes): its free slabs beyond ``_IDLE_KEEP``
         bytes in all (the largest kept) are released and the ones still
         viewed forgotten. Otherwise only those of its free stack that no read
-        took are. So a loop that had a burst of bulk reads and now carries
+        took are, and the slabs handed out that are free again join the
+        stack (so they go at the next trim if no read takes them). So a loop that had a burst of bulk reads and now carries
         only small ones -- keepalives, a signalling trickle -- returns to
         what an idle one holds. Returns whether the lists still hold more
         than ``_IDLE_KEEP`` bytes.
@@ -702,6 +703,17 @@ class ReadSlab:
             for slab in free[:drop]:
                 self._forget(slab)
             del free[:drop]
+            if pool.out:
+                # Slabs handed out and free again wait in ``out`` until a
+                # reservation finds them, one per read: after a burst, a
+                # connection that went on reading this size once a second
+                # released the burst's slabs at that pace (tens of MB for
+                # minutes). They join the free stack, and those no read
+                # takes before the next trim go then.
+                viewed: collections.deque[_Slab] = collections.deque()
+                for slab in pool.out:
+                    (viewed if _exported(slab) else free).append(slab)
+                pool.out = viewed
             pool.low = len(free)
         return self._held > _IDLE_KEEP
 
