@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.workers < 1:
         raise SystemExit("--workers must be >= 1")
+    raise_nofile_limit()  # (inherited by the workers)
     certs = make_certs(args.certs)
     spawn = mp.get_context("spawn")
     status = spawn.SimpleQueue()
@@ -76,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         holder = reserve_port(args.host, args.port)
         port = holder.getsockname()[1]
-        procs = [spawn.Process(target=_worker, args=(args, port, True, status), daemon=True)
+        # Not daemonic: a worker starts its own synthesis processes, which a
+        # daemonic process may not. The supervisor stops them (SIGTERM) itself.
+        procs = [spawn.Process(target=_worker, args=(args, port, True, status))
                  for _ in range(args.workers)]
         for proc in procs:
             proc.start()
@@ -131,6 +134,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tts_service: stopped cleanly ({service.responses} responses, "
           f"{service.errors} connection errors, {_cpu_s():.1f} s CPU)", flush=True)
     return 0
+
+
+def raise_nofile_limit() -> None:
+    """Lift the soft limit on open files to the hard one, as benchmarks/ does:
+    each connection takes a descriptor, and the service caps its connections
+    below the soft limit (ServiceConfig.max_connections)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def _cpu_s() -> float:

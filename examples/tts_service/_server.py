@@ -21,6 +21,18 @@ Pacing uses one ticker per process, not one timer per response: every
 ``TICK_S`` each streaming response sends the next ``speed * TICK_S`` seconds
 of audio, then waits for its next tick. Responses are spread over four
 phases of the tick, as independent synthesis jobs would be.
+
+Synthesis of a text not yet cached runs in a pool of ``synth_jobs`` worker
+processes, so that its CPU work never holds this process's GIL (see
+``_synth``). While a request waits for it, the service keeps reading the
+connection: a client that hangs up stops waiting, and a synthesis that no
+one waits for any more is dropped before it starts. A wait longer than
+``SYNTH_TIMEOUT_S`` is answered ``503``.
+
+At most ``max_connections`` connections are served at once, below the
+descriptor limit; one over the cap is dropped as soon as its handshake is
+done. A connection gets ``FIRST_REQUEST_TIMEOUT_S`` for its TLS handshake,
+and as long again for its first request.
 """
 
 from __future__ import annotations
@@ -29,9 +41,12 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import multiprocessing
 import os
+import resource
 import signal
 import ssl
+from concurrent.futures import ProcessPoolExecutor
 from collections.abc import AsyncIterator
 from http import HTTPStatus
 from typing import Any
@@ -40,7 +55,7 @@ from urllib.parse import parse_qs, urlsplit
 import h11
 
 from .._common import FRAME_MS, PHRASES, SAMPLE_RATES, SAMPLE_WIDTH, streams_module
-from ._synth import Phrase, PhraseCache
+from ._synth import SYNTH_JOBS, Phrase, PhraseCache
 
 __all__ = ["ServiceConfig", "TTSService", "Ticker", "serve"]
 
@@ -59,6 +74,19 @@ SHUTDOWN_GRACE_S = 5.0
 # voice-server call waits at most a few seconds between its prompts, and
 # for its start after connecting (the calls start over calls/250 s).
 REQUEST_TIMEOUT_S = 60.0
+# How long a new connection may take for its TLS handshake, and then for
+# its first request, whole. A voice-server call sends its first request (a health
+# check) as soon as it is connected; a client that opens connections and
+# sends nothing holds a descriptor each, and the cap counts them.
+FIRST_REQUEST_TIMEOUT_S = 10.0
+# How long a request may wait for its synthesis, queue included, before it
+# is answered 503: a 1000-letter text takes 0.7 s at 16 kHz (synthetic
+# voice) or about 1 s (espeak-ng), so this is a queue of a dozen long texts.
+SYNTH_TIMEOUT_S = 10.0
+# Descriptors kept out of max_connections (when it derives from the soft
+# RLIMIT_NOFILE): the listening socket, the loop's own (epoll, self-pipe),
+# the synthesis pool's pipes and espeak-ng's files and pipes, with room to spare.
+FD_RESERVE = 64
 # How long a response may wait in drain() for a client to take its bytes
 # before the client is dropped: one that stops reading would otherwise hold
 # its connection, task and write buffer until it went away. A client that
@@ -76,6 +104,9 @@ class ServiceConfig:
     chunk_ms: int = FRAME_MS
     reuse_port: bool = False
     warm_rates: tuple[int, ...] = SAMPLE_RATES  # synthesize PHRASES at these rates first
+    synth_jobs: int = SYNTH_JOBS  # syntheses at once
+    synth_processes: bool = True  # in worker processes (False: threads of this one)
+    max_connections: int = 0  # 0: the soft RLIMIT_NOFILE less FD_RESERVE
 
 
 class Ticker:
@@ -127,7 +158,12 @@ class TTSService:
     def __init__(self, config: ServiceConfig, ssl_context: ssl.SSLContext) -> None:
         self.config = config
         self.ssl_context = ssl_context
-        self.cache = PhraseCache(config.voice)
+        self._pool = (
+            ProcessPoolExecutor(config.synth_jobs, mp_context=multiprocessing.get_context("spawn"))
+            if config.synth_processes else None
+        )
+        self.cache = PhraseCache(config.voice, jobs=config.synth_jobs, executor=self._pool)
+        self.max_connections = config.max_connections or _connection_cap()
         self.ticker = Ticker(TICK_S)
         self.server: Any = None
         self.port = config.port
@@ -138,12 +174,17 @@ class TTSService:
         self.responses = 0
         self.errors = 0
         self.synth_errors = 0  # requests answered 500: their synthesis failed
+        self.synth_timeouts = 0  # requests answered 503: their synthesis took too long
+        self.hangups = 0  # requests whose client went away while they waited for synthesis
+        self.refused = 0  # connections closed at once: max_connections were open
 
     # -- lifecycle -----------------------------------------------------------
 
     async def start(self) -> None:
         streams = streams_module(self.config.impl)
-        kwargs: dict[str, Any] = {"ssl": self.ssl_context}
+        kwargs: dict[str, Any] = {
+            "ssl": self.ssl_context, "ssl_handshake_timeout": FIRST_REQUEST_TIMEOUT_S,
+        }
         if self.config.reuse_port:
             kwargs["reuse_port"] = True
         self.server = await streams.start_server(
@@ -173,6 +214,9 @@ class TTSService:
                 await asyncio.wait(late)
         if self.server is not None:
             await self.server.wait_closed()
+        if self._pool is not None:
+            # (a synthesis under way, that no one waits for, ends first)
+            await asyncio.to_thread(self._pool.shutdown, cancel_futures=True)
 
     async def __aenter__(self) -> TTSService:
         await self.start()
@@ -184,17 +228,26 @@ class TTSService:
     # -- connections ---------------------------------------------------------
 
     async def _handle(self, reader: Any, writer: Any) -> None:
+        if len(self._writers) >= self.max_connections:
+            self.refused += 1
+            writer.transport.abort()
+            return
         task = asyncio.current_task()
         assert task is not None
         self._idle.add(task)
         self._writers.add(writer)
         conn = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_REQUEST_BYTES)
         read = reader.read_chunk if self.config.impl == "slabnet" else None
+        first = True
         try:
             while not self._closing:
                 try:
-                    async with asyncio.timeout(REQUEST_TIMEOUT_S):
+                    async with asyncio.timeout(
+                        min(FIRST_REQUEST_TIMEOUT_S, REQUEST_TIMEOUT_S) if first
+                        else REQUEST_TIMEOUT_S
+                    ):
                         event = await self._next_request(conn, reader, read)
+                    first = False
                 except TimeoutError:
                     # Dropped, not closed: a client that sends no request may
                     # not answer a close_notify either.
@@ -205,11 +258,11 @@ class TTSService:
                     break
                 self._idle.discard(task)
                 self._busy.add(task)
-                await self._respond(conn, event, writer)
+                await self._respond(conn, event, reader, read, writer)
                 self._busy.discard(task)
                 self._idle.add(task)
-                if conn.our_state is h11.MUST_CLOSE:
-                    break
+                if conn.our_state is not h11.DONE:
+                    break  # MUST_CLOSE, or no response: the client hung up
                 conn.start_next_cycle()
         except asyncio.CancelledError:
             pass  # shutdown: closed below
@@ -259,16 +312,19 @@ class TTSService:
             data = await (read() if read is not None else reader.read(READ_SIZE))
             conn.receive_data(data)  # empty at EOF: h11 then reports ConnectionClosed
 
-    async def _respond(self, conn: h11.Connection, request: h11.Request, writer: Any) -> None:
+    async def _respond(
+        self, conn: h11.Connection, request: h11.Request, reader: Any, read: Any, writer: Any
+    ) -> None:
         url = urlsplit(request.target.decode("ascii", "replace"))
+        head = request.method == b"HEAD"
         if request.method not in (b"GET", b"HEAD"):
-            await self._send_simple(conn, writer, 405, "method not allowed\n")
+            await self._send_simple(conn, writer, head, 405, "method not allowed\n")
         elif url.path == "/v1/health":
             body = json.dumps(
                 {"ok": True, "voice": self.cache.voice, "impl": self.config.impl,
                  "pid": os.getpid(), "cached_phrases": len(self.cache)}
             )
-            await self._send_simple(conn, writer, 200, body + "\n", "application/json")
+            await self._send_simple(conn, writer, head, 200, body + "\n", "application/json")
         elif url.path == "/v1/speech":
             query = parse_qs(url.query)
             text = query.get("text", [""])[0].strip()
@@ -277,30 +333,75 @@ class TTSService:
             except ValueError:
                 rate = 0
             if not text or len(text) > 1000 or rate not in SAMPLE_RATES:
-                await self._send_simple(
-                    conn, writer, 400, f"need text (<= 1000 chars) and rate in {SAMPLE_RATES}\n"
-                )
+                await self._send_simple(conn, writer, head, 400,
+                                        f"need text (<= 1000 chars) and rate in {SAMPLE_RATES}\n")
             else:
                 try:
-                    phrase = await self.cache.get(text, rate)
+                    async with asyncio.timeout(SYNTH_TIMEOUT_S):
+                        phrase = await self._synthesize(conn, reader, read, text, rate)
+                except TimeoutError:
+                    self.synth_timeouts += 1
+                    await self._send_simple(conn, writer, head, 503, "synthesis busy, try again\n")
                 except Exception as exc:  # espeak-ng failed, timed out, or is gone
                     self.synth_errors += 1
                     await self._send_simple(
-                        conn, writer, 500, f"synthesis failed: {type(exc).__name__}\n"
+                        conn, writer, head, 500, f"synthesis failed: {type(exc).__name__}\n"
                     )
                 else:
-                    await self._stream_speech(conn, writer, phrase, request.method == b"HEAD")
+                    if phrase is None:  # the client went away: no response
+                        self.hangups += 1
+                        writer.transport.abort()
+                        return
+                    await self._stream_speech(conn, writer, phrase, head)
         else:
-            await self._send_simple(conn, writer, 404, "not found\n")
+            await self._send_simple(conn, writer, head, 404, "not found\n")
         self.responses += 1
 
+    async def _synthesize(
+        self, conn: h11.Connection, reader: Any, read: Any, text: str, rate: int
+    ) -> Phrase | None:
+        """The phrase, or None if the client hung up (EOF or reset) first.
+
+        The connection is read meanwhile, so that a hang-up cancels this
+        request's wait, and with it a synthesis that no one else waits for.
+        What the client sends meanwhile (its next requests, pipelined) goes
+        to h11, which keeps it for the next cycle; once that holds
+        MAX_REQUEST_BYTES the connection is no longer read."""
+        job = asyncio.ensure_future(self.cache.get(text, rate))
+        peek: asyncio.Future[Any] | None = None
+        try:
+            while not job.done() and len(conn.trailing_data[0]) < MAX_REQUEST_BYTES:
+                peek = asyncio.ensure_future(read() if read is not None else reader.read(READ_SIZE))
+                await asyncio.wait((job, peek), return_when=asyncio.FIRST_COMPLETED)
+                if not peek.done():
+                    break  # (the job is)
+                try:
+                    data = peek.result()
+                except (OSError, ssl.SSLError):
+                    data = b""  # reset
+                peek = None
+                if not data:
+                    return None
+                conn.receive_data(data)
+            return await job
+        finally:
+            # A read left waiting must be gone before the next one starts; a
+            # job given up on is cancelled (the cache then drops its synthesis
+            # if no other request waits for it).
+            for fut in (peek, job):
+                if fut is not None and not fut.done():
+                    fut.cancel()
+                    await asyncio.wait((fut,))
+
     async def _send_simple(
-        self, conn: h11.Connection, writer: Any, status: int, text: str,
+        self, conn: h11.Connection, writer: Any, head: bool, status: int, text: str,
         content_type: str = "text/plain; charset=utf-8",
     ) -> None:
+        """A whole response; to a HEAD request without its body (RFC 9110 §9.3.2)."""
         body = text.encode()
         writer.write(conn.send(_response(status, content_type, len(body))))
-        writer.write(conn.send(h11.Data(data=body)))
+        if not head:
+            writer.write(conn.send(h11.Data(data=body)))
         writer.write(conn.send(h11.EndOfMessage()))
         async with _send_deadline(writer):
             await writer.drain()
@@ -352,6 +453,14 @@ async def _send_deadline(writer: Any) -> AsyncIterator[asyncio.Timeout]:
         # Aborted, not closed: a close would wait for the bytes it does not take.
         writer.transport.abort()
         raise ConnectionAbortedError(f"client took nothing for {SEND_TIMEOUT_S:g} s") from None
+
+
+def _connection_cap() -> int:
+    """Connections to allow: the soft RLIMIT_NOFILE less FD_RESERVE."""
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        soft = 1 << 20
+    return max(1, soft - FD_RESERVE)
 
 
 def _response(status: int, content_type: str, length: int, close: bool = False) -> h11.Response:

@@ -13,11 +13,22 @@ Two voices:
 ``auto`` picks espeak-ng when the program is installed. Every phrase is
 synthesized once per (text, rate) and then served from memory, as TTS
 frontends cache their prompts.
+
+Synthesis is CPU work in pure Python (the synthetic voice: ~0.7 s for 1000
+letters at 16 kHz) that holds the GIL. Run in threads of the serving
+process, it starves that process's event loop: every time the loop thread
+gives up the GIL for a system call it waits up to the switch interval (5 ms)
+to get it back, and the audio of every response is late. So a PhraseCache
+runs at most ``jobs`` syntheses at a time, in the executor it is given (the
+service gives it a process pool of that many workers); the others wait their
+turn in the cache, where one that nobody waits for any more is dropped
+before it runs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import hashlib
 import math
@@ -29,6 +40,7 @@ import wave
 from array import array
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 from .._common import SAMPLE_RATES, SAMPLE_WIDTH
 
@@ -97,7 +109,9 @@ def synthetic_pcm(text: str, rate: int) -> bytes:
         if pause is not None or not ch.isprintable():
             out.extend(array("h", [0]) * int((pause or _SEGMENT_S) * rate))
             continue
-        code = ord(ch.lower())
+        # (The first letter of the lower case: "İ".lower() is "i" and a
+        # combining dot, two characters.)
+        code = ord(ch.lower()[0])
         f0 = 95 + (code * 37) % 130  # pitch 95..224 Hz
         formant = 500 + (code * 113) % 1800  # a crude vowel colour
         for i in range(seg):
@@ -177,6 +191,11 @@ def espeak_pcm(text: str, rate: int) -> bytes:
 
 #: Audio a PhraseCache keeps, at most (the warm phrase list takes about 2 MiB).
 CACHE_BYTES = 32 * 1024 * 1024
+#: Syntheses a PhraseCache runs at once: one CPU core's worth. The service
+#: shares its machine with the clients (the demo runs the voice server on
+#: the same cores), and a queue of texts goes no faster for running them
+#: side by side on a core or two.
+SYNTH_JOBS = 1
 
 
 class PhraseCache:
@@ -190,11 +209,25 @@ class PhraseCache:
     away) is cancelled: if it has not started, it never runs. Otherwise a
     client could queue up any amount of work (a second of CPU per long
     text) by asking for new texts and hanging up, and the requests behind
-    it would wait for all of it."""
+    it would wait for all of it.
 
-    def __init__(self, voice: str = "auto", max_bytes: int = CACHE_BYTES) -> None:
+    At most ``jobs`` syntheses run at once, in ``executor`` (None: the
+    loop's default thread pool). One that was given up on after it started
+    runs to its end (a thread cannot be stopped midway), and its slot is
+    taken until then."""
+
+    def __init__(
+        self,
+        voice: str = "auto",
+        max_bytes: int = CACHE_BYTES,
+        jobs: int = SYNTH_JOBS,
+        executor: concurrent.futures.Executor | None = None,
+    ) -> None:
         self.voice = resolve_voice(voice)
         self.max_bytes = max_bytes
+        self.executor = executor
+        self.running = 0  # syntheses started and not yet ended
+        self._slots = asyncio.Semaphore(jobs)
         self.cached_bytes = 0  # of the phrases made and still cached
         self._sizes: dict[tuple[str, int], int] = {}  # their sizes
         self._phrases: OrderedDict[tuple[str, int], asyncio.Future[Phrase]] = OrderedDict()
@@ -214,8 +247,7 @@ class PhraseCache:
         key = (text, rate)
         fut = self._phrases.get(key)
         if fut is None or fut.cancelled():  # (given up on, and not yet forgotten)
-            loop = asyncio.get_running_loop()
-            fut = loop.run_in_executor(None, self.synthesize, text, rate)
+            fut = asyncio.ensure_future(self._make(text, rate))
             self._phrases[key] = fut
             fut.add_done_callback(lambda done: self._made(key, done))
         else:
@@ -231,6 +263,24 @@ class PhraseCache:
                 del self._waiting[key]
                 if not fut.done():
                     fut.cancel()  # (one already running finishes, unused)
+
+    async def _make(self, text: str, rate: int) -> Phrase:
+        await self._slots.acquire()  # (cancelled while it waits here, it never runs)
+        self.running += 1
+        job = asyncio.get_running_loop().run_in_executor(
+            self.executor, self.synthesize, text, rate
+        )
+        job.add_done_callback(self._job_done)
+        return await asyncio.shield(job)  # (cancelled, the job runs on, unused)
+
+    def _job_done(self, job: asyncio.Future[Phrase]) -> None:
+        self.running -= 1
+        self._slots.release()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # What a process pool sends its worker with each job (the bound
+        # method self.synthesize): a cache of the same voice, empty.
+        return (PhraseCache, (self.voice,))
 
     def _made(self, key: tuple[str, int], fut: asyncio.Future[Phrase]) -> None:
         if self._phrases.get(key) is not fut:

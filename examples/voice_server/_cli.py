@@ -1,13 +1,25 @@
-"""``python -m examples.voice_server``: simulate N calls in 1..N processes."""
+"""``python -m examples.voice_server``: simulate N calls in 1..N processes.
+
+Stopping: SIGTERM or SIGINT (Ctrl-C) stops the run. The parent terminates
+its worker processes and waits for them (``STOP_GRACE_S``, then SIGKILL),
+prints one line and exits with 128 + the signal's number. The workers
+ignore SIGINT (a terminal's Ctrl-C reaches the whole process group; the
+parent stops them) and exit by themselves if the parent dies.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import multiprocessing as mp
+import multiprocessing.connection
+import os
 import queue
+import signal
 import sys
+import threading
 import time
+from types import FrameType
 from typing import Any, TextIO
 from urllib.parse import urlsplit
 
@@ -20,6 +32,23 @@ from ._worker import VoiceConfig, Worker
 # dial in the same second; starting them all within 1 s would have every
 # call's first prompt stream at 5x real time at once (40 MB/s for 500 calls).
 ARRIVALS_PER_S = 250
+
+
+# How long the parent waits for a terminated worker to go before it kills it.
+STOP_GRACE_S = 5.0
+
+
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGINT arrived. A KeyboardInterrupt, so that ``except
+    Exception`` does not catch it and asyncio stops its loop for it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signum)
 
 
 def default_stagger(calls: int) -> float:
@@ -106,9 +135,26 @@ class Progress:
             self.stream.flush()
 
 
+def _exit_with_parent() -> None:
+    """In a worker: exit at once when the parent process is gone (killed, say),
+    instead of playing on with nobody to report to."""
+    parent = mp.parent_process()
+    if parent is None:
+        return
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+
 def _worker_main(
     config: VoiceConfig, ids: list[int], total: int, loop: str, barrier: Any, out: Any, w: int
 ) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent stops the workers
+    _exit_with_parent()
+
     def progress(part: dict[str, Any]) -> None:
         out.put(("progress", w, part))
 
@@ -136,34 +182,61 @@ def run_calls(config: VoiceConfig, calls: int, workers: int, loop: str,
                       args=(config, list(range(w, calls, workers)), calls, loop, barrier, out, w))
         for w in range(workers)
     ]
-    for proc in procs:
-        proc.start()
     results: dict[int, dict[str, Any]] = {}
     failures: list[str] = []
-    while len(results) + len(failures) < workers:
-        try:
-            kind, w, payload = out.get(timeout=1.0)
-        except queue.Empty:
-            dead = [p for p in procs if not p.is_alive() and p.exitcode != 0]
-            if dead and out.empty():
-                failures.extend(f"worker pid {p.pid} exited {p.exitcode}" for p in dead)
-                break
-            continue
-        if kind == "progress":
-            progress.update(w, payload)
-        elif kind == "result":
-            results[w] = payload
-        else:
-            failures.append(f"worker {w}: {payload}")
-    for proc in procs:
-        proc.join(30)
+    try:
+        for proc in procs:
+            proc.start()
+        while len(results) + len(failures) < workers:
+            try:
+                kind, w, payload = out.get(timeout=1.0)
+            except queue.Empty:
+                dead = [p for p in procs if not p.is_alive() and p.exitcode != 0]
+                if dead and out.empty():
+                    failures.extend(f"worker pid {p.pid} exited {p.exitcode}" for p in dead)
+                    break
+                continue
+            if kind == "progress":
+                progress.update(w, payload)
+            elif kind == "result":
+                results[w] = payload
+            else:
+                failures.append(f"worker {w}: {payload}")
+        for proc in procs:
+            proc.join(30)
+    except BaseException:  # a signal (Stopped), or an error of the parent's own
+        failures.append("stopped")
+        raise
+    finally:
+        if failures:
+            _stop_workers(procs, barrier)
     if failures:
+        raise RuntimeError("; ".join(failures))
+    return [results[w] for w in sorted(results)]
+
+
+def _stop_workers(procs: list[Any], barrier: Any) -> None:
+    """Terminate the workers still running and wait for them (STOP_GRACE_S,
+    then SIGKILL). A second SIGINT or SIGTERM meanwhile does not cut it short."""
+    ignored = (signal.SIGINT, signal.SIGTERM)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in ignored} if in_main else {}
+    try:
         barrier.abort()
         for proc in procs:
             if proc.is_alive():
                 proc.terminate()
-        raise RuntimeError("; ".join(failures))
-    return [results[w] for w in sorted(results)]
+        end = time.monotonic() + STOP_GRACE_S
+        for proc in procs:
+            if proc.pid is None:  # (never started)
+                continue
+            proc.join(max(0.0, end - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,10 +249,16 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     label = args.label or args.impl
     progress = Progress(label, args.calls, sys.stderr, not args.no_progress)
+    signal.signal(signal.SIGTERM, _raise_stopped)
+    signal.signal(signal.SIGINT, _raise_stopped)
     try:
-        results = run_calls(config, args.calls, args.workers, args.loop, progress)
-    finally:
-        progress.finish()
+        try:
+            results = run_calls(config, args.calls, args.workers, args.loop, progress)
+        finally:
+            progress.finish()
+    except Stopped as stop:
+        print(f"voice_server: stopped by {stop}", file=sys.stderr)
+        return 128 + stop.signum
     summary = summarize(results, impl=args.impl, loop=args.loop, duration=args.duration,
                         rate=args.rate, stagger=config.stagger_s)
     if args.json:

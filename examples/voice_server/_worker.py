@@ -19,7 +19,9 @@ Theory of operation
 4. Meanwhile a probe sleeps 10 ms at a time and records how late it wakes
    (event loop lag), and a sampler records queued audio bytes, retained
    memory and slabnet's pinned bytes four times a second.
-5. Hang up: every connection is closed (TLS close_notify) and awaited.
+5. Hang up: at its end time the ticker ends a call (``Call.end()``), which
+   abandons the prompt it may still be fetching; then every connection is
+   closed (TLS close_notify) and awaited.
 """
 
 from __future__ import annotations
@@ -271,8 +273,7 @@ class Worker:
                 call.waiting = False
                 call.wake.set()
         for call in ended:
-            call.done = True
-            call.wake.set()
+            call.end()
             del self.active[call]
 
     # -- measurements --------------------------------------------------------
