@@ -220,10 +220,10 @@ def _return_free_memory() -> None:
     larger buffer (its mmap threshold rises to that size), and memory freed
     between blocks still in use stays resident until ``malloc_trim``
     returns it. A burst of 64 MiB of kept chunks left 10-67 MB resident
-    after the trims had released every slab of it. One call
-    after a trim has released ``_RETURN_AFTER`` bytes or more: it walks the
-    free lists (about a millisecond; 3-5 ms after a 64 MiB burst), at most
-    once per ``TRIM_INTERVAL``."""
+    after the trims had released every slab of it. One call after a trim
+    has released ``_RETURN_AFTER`` bytes or more: it walks the free lists
+    (about a millisecond; 3-5 ms after a 64 MiB burst), at most once per
+    ``TRIM_INTERVAL``."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
@@ -672,10 +672,11 @@ class ReadSlab:
         bytes in all (the largest kept) are released and the ones still
         viewed forgotten. Otherwise only those of its free stack that no read
         took are, and the slabs handed out that are free again join the
-        stack (so they go at the next trim if no read takes them). So a loop that had a burst of bulk reads and now carries
-        only small ones -- keepalives, a signalling trickle -- returns to
-        what an idle one holds. Returns whether the lists still hold more
-        than ``_IDLE_KEEP`` bytes.
+        stack (they go at the next trim if no read takes them). So a loop
+        that had a burst of bulk reads and now carries only small ones --
+        keepalives, a signalling trickle -- returns to what an idle one
+        holds. Returns whether the lists still hold more than
+        ``_IDLE_KEEP`` bytes.
 
         Ends a pending reservation, which on a loop can only be one that was
         abandoned (a read is reserved and committed in one loop callback):
