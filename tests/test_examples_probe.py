@@ -16,7 +16,7 @@ import ssl
 import struct
 import sys
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,10 +52,12 @@ def service_voice() -> str:
 
 
 @pytest_asyncio.fixture(params=["slabnet", "asyncio"])
-async def service(
-    request: pytest.FixtureRequest, certs: Any, service_speed: float, service_voice: str
-) -> AsyncIterator[Any]:
-    """A running service (its ``impl`` is the param); no loop errors allowed."""
+async def start_service(
+    request: pytest.FixtureRequest, certs: Any
+) -> AsyncIterator[Callable[..., Any]]:
+    """``await start_service(**config)``: a running service (its ``impl`` is
+    the param; ``config`` sets ``ServiceConfig`` fields), stopped at the
+    end; no loop errors allowed."""
     impl = request.param
     why = impl_available(impl)
     if why:
@@ -64,26 +66,40 @@ async def service(
     loop_errors: list[dict[str, Any]] = []
     previous_handler = loop.get_exception_handler()
     loop.set_exception_handler(lambda _loop, ctx: loop_errors.append(ctx))
-    listening: asyncio.Future[Any] = loop.create_future()
     stop = asyncio.Event()
-    task = asyncio.create_task(serve(
-        ServiceConfig(
-            port=0, impl=impl, voice=service_voice, speed=service_speed, warm_rates=()
-        ),
-        server_ssl_context(certs), ready=listening.set_result, stop=stop,
-        handle_signals=False,
-    ))
-    try:
+    tasks: list[asyncio.Task[Any]] = []
+
+    async def start(**overrides: Any) -> Any:
+        config = ServiceConfig(port=0, impl=impl, voice="synthetic", warm_rates=())
+        for name, value in overrides.items():
+            setattr(config, name, value)
+        listening: asyncio.Future[Any] = loop.create_future()
+        tasks.append(asyncio.create_task(serve(
+            config, server_ssl_context(certs), ready=listening.set_result, stop=stop,
+            handle_signals=False,
+        )))
         svc = await asyncio.wait_for(listening, 30)
         svc.client_context = ssl.create_default_context(cafile=str(certs.ca))
-        yield svc
+        return svc
+
+    try:
+        yield start
         stop.set()
-        await asyncio.wait_for(task, 30)
+        if tasks:
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
     finally:
-        if not task.done():
+        for task in tasks:
             task.cancel()
         loop.set_exception_handler(previous_handler)
     assert loop_errors == []
+
+
+@pytest_asyncio.fixture
+async def service(
+    start_service: Callable[..., Any], service_speed: float, service_voice: str
+) -> Any:
+    """A running service, at ``service_speed`` with ``service_voice``."""
+    return await start_service(voice=service_voice, speed=service_speed)
 
 
 async def close_client(writer: Any) -> None:

@@ -22,28 +22,22 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-import pytest_asyncio
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # plain `pytest` does not put the repo root on the path
     sys.path.insert(0, str(ROOT))
 
-from examples._common import impl_available, make_certs, server_ssl_context  # noqa: E402
-from examples.tts_service import ServiceConfig, serve, synthetic_pcm  # noqa: E402
+from examples.tts_service import ServiceConfig, synthetic_pcm  # noqa: E402
 from examples.tts_service import _server  # noqa: E402
 from examples.tts_service._synth import PhraseCache  # noqa: E402
+from tests.test_examples_probe import certs, start_service  # noqa: E402, F401  (fixtures)
 
 pytestmark = pytest.mark.timeout(30)
-
-
-@pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    return make_certs(tmp_path_factory.mktemp("certs"))
 
 
 class GatedSynthesis:
@@ -79,47 +73,6 @@ def gated(monkeypatch: pytest.MonkeyPatch) -> GatedSynthesis:
     synth.gate.set()
 
 
-@pytest_asyncio.fixture(params=["slabnet", "asyncio"])
-async def start(
-    request: pytest.FixtureRequest, certs: Any
-) -> AsyncIterator[Callable[..., Any]]:
-    """``await start(**config)``: a running service; no loop errors allowed."""
-    impl = request.param
-    why = impl_available(impl)
-    if why:
-        pytest.skip(why)
-    loop = asyncio.get_running_loop()
-    loop_errors: list[dict[str, Any]] = []
-    previous_handler = loop.get_exception_handler()
-    loop.set_exception_handler(lambda _loop, ctx: loop_errors.append(ctx))
-    stop = asyncio.Event()
-    tasks: list[asyncio.Task[Any]] = []
-
-    async def start(**overrides: Any) -> Any:
-        config = ServiceConfig(port=0, impl=impl, voice="synthetic", warm_rates=())
-        for name, value in overrides.items():
-            setattr(config, name, value)
-        listening: asyncio.Future[Any] = loop.create_future()
-        tasks.append(asyncio.create_task(serve(
-            config, server_ssl_context(certs), ready=listening.set_result, stop=stop,
-            handle_signals=False,
-        )))
-        svc = await asyncio.wait_for(listening, 10)
-        svc.client_context = ssl.create_default_context(cafile=str(certs.ca))
-        return svc
-
-    try:
-        yield start
-        stop.set()
-        if tasks:
-            await asyncio.wait_for(asyncio.gather(*tasks), 20)
-    finally:
-        for task in tasks:
-            task.cancel()
-        loop.set_exception_handler(previous_handler)
-    assert loop_errors == []
-
-
 async def connect(svc: Any) -> tuple[Any, Any]:
     return await asyncio.open_connection(
         "127.0.0.1", svc.port, ssl=svc.client_context, server_hostname="localhost"
@@ -153,14 +106,14 @@ async def status(reader: Any) -> bytes:
 
 @pytest.mark.asyncio
 async def test_a_client_that_hangs_up_cancels_its_queued_synthesis(
-    start: Any, gated: GatedSynthesis
+    start_service: Any, gated: GatedSynthesis
 ) -> None:
     """The handler awaited the synthesis without reading its socket, so it
     never saw its client reset: 30 such clients each queued a second of CPU
     work that ran to the end, and a good client's phrase waited behind it.
     Now the hang-up ends the handler while the synthesis is still held, and
     the abandoned text is never synthesized."""
-    svc = await start(synth_processes=False, synth_jobs=1)
+    svc = await start_service(synth_processes=False, synth_jobs=1)
     good_r, good_w = await connect(svc)
     good_w.write(speech("blocker"))
     await until(lambda: gated.made == ["blocker"])
@@ -182,12 +135,12 @@ async def test_a_client_that_hangs_up_cancels_its_queued_synthesis(
 
 @pytest.mark.asyncio
 async def test_pipelined_bytes_during_a_synthesis_are_kept_for_the_next_request(
-    start: Any, gated: GatedSynthesis
+    start_service: Any, gated: GatedSynthesis
 ) -> None:
     """Reading the connection while the synthesis runs (to see a hang-up)
     must not lose a request the client pipelined meanwhile. (A guard for
     the hang-up fix: this passed before it too.)"""
-    svc = await start(synth_processes=False)
+    svc = await start_service(synth_processes=False)
     reader, writer = await connect(svc)
     writer.write(speech("first"))
     await until(lambda: gated.made == ["first"])
@@ -204,11 +157,11 @@ async def test_pipelined_bytes_during_a_synthesis_are_kept_for_the_next_request(
 
 @pytest.mark.asyncio
 async def test_a_synthesis_wait_longer_than_its_timeout_is_answered_503(
-    start: Any, gated: GatedSynthesis, monkeypatch: pytest.MonkeyPatch
+    start_service: Any, gated: GatedSynthesis, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A request waited for its synthesis without a limit."""
     monkeypatch.setattr(_server, "SYNTH_TIMEOUT_S", 0.2, raising=False)
-    svc = await start(synth_processes=False, synth_jobs=1)
+    svc = await start_service(synth_processes=False, synth_jobs=1)
     r1, w1 = await connect(svc)
     w1.write(speech("held"))
     await until(lambda: gated.made == ["held"])
@@ -231,13 +184,13 @@ async def test_a_synthesis_wait_longer_than_its_timeout_is_answered_503(
 @pytest.mark.asyncio
 @pytest.mark.parametrize("jobs", [1, 2])
 async def test_at_most_synth_jobs_syntheses_run_at_once(
-    start: Any, gated: GatedSynthesis, jobs: int
+    start_service: Any, gated: GatedSynthesis, jobs: int
 ) -> None:
     """Every request for a new text started its synthesis at once, in the
     default thread pool: 3 clients asking for new 1000-letter texts held
     the GIL in 3 threads and the service's audio fell behind (1000-6000
     underruns in 8000 frames). Now the others wait their turn."""
-    svc = await start(synth_processes=False, synth_jobs=jobs)
+    svc = await start_service(synth_processes=False, synth_jobs=jobs)
     clients = [await connect(svc) for _ in range(4)]
     for i, (_, writer) in enumerate(clients):
         writer.write(speech(f"text{i}"))
@@ -258,7 +211,7 @@ async def test_at_most_synth_jobs_syntheses_run_at_once(
 
 @pytest.mark.asyncio
 async def test_synthesis_runs_outside_the_service_process(
-    start: Any, monkeypatch: pytest.MonkeyPatch
+    start_service: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Synthesis ran in threads of the service's process, holding its GIL."""
     in_process: list[str] = []
@@ -269,7 +222,7 @@ async def test_synthesis_runs_outside_the_service_process(
         return real(cache, text, rate)
 
     monkeypatch.setattr(PhraseCache, "synthesize", synthesize)
-    svc = await start()  # (worker processes import the real synthesize)
+    svc = await start_service()  # (worker processes import the real synthesize)
     reader, writer = await connect(svc)
     writer.write(speech("hello%20there", close=True))
     head = (await reader.readuntil(b"\r\n\r\n")).decode()
@@ -283,12 +236,12 @@ async def test_synthesis_runs_outside_the_service_process(
 
 
 @pytest.mark.asyncio
-async def test_a_connection_over_the_cap_is_refused(start: Any) -> None:
+async def test_a_connection_over_the_cap_is_refused(start_service: Any) -> None:
     """Connections had no cap: ~250 idle ones used up a 256-descriptor limit
     and every client was locked out (on the stdlib loop with an EMFILE
     traceback a second). Now one over ``max_connections`` is dropped and
     those within it are served."""
-    svc = await start(max_connections=2)
+    svc = await start_service(max_connections=2)
     held = [await connect(svc) for _ in range(2)]
     await until(lambda: len(svc._writers) == 2)
     reader, writer = await connect(svc)
@@ -332,14 +285,14 @@ def test_the_command_line_lifts_the_soft_descriptor_limit() -> None:
 @pytest.mark.asyncio
 @pytest.mark.parametrize("tls", [False, True], ids=["no-handshake", "no-request"])
 async def test_a_new_connection_that_sends_nothing_is_dropped_soon(
-    start: Any, monkeypatch: pytest.MonkeyPatch, tls: bool
+    start_service: Any, monkeypatch: pytest.MonkeyPatch, tls: bool
 ) -> None:
     """A connection that sent nothing was held for the 60 s handshake (or
     request) timeout, so that a few hundred a minute held every descriptor.
     Now it gets FIRST_REQUEST_TIMEOUT_S; later requests keep
     REQUEST_TIMEOUT_S."""
     monkeypatch.setattr(_server, "FIRST_REQUEST_TIMEOUT_S", 0.3, raising=False)
-    svc = await start()
+    svc = await start_service()
     loop = asyncio.get_running_loop()
     async with asyncio.timeout(10):
         if tls:
@@ -364,10 +317,10 @@ async def test_a_new_connection_that_sends_nothing_is_dropped_soon(
 
 
 @pytest.mark.asyncio
-async def test_an_error_answer_to_a_head_request_has_no_body(start: Any) -> None:
+async def test_an_error_answer_to_a_head_request_has_no_body(start_service: Any) -> None:
     """A HEAD request answered 400/404/500/503 made h11 raise (a body after
     a HEAD): no answer, and "Unhandled exception in client_connected_cb"."""
-    svc = await start()
+    svc = await start_service()
     reader, writer = await connect(svc)
     writer.write(b"HEAD /nowhere HTTP/1.1\r\nhost: x\r\n\r\n"
                  b"GET /v1/health HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n")
@@ -389,9 +342,9 @@ def test_synthetic_pcm_takes_a_letter_whose_lower_case_is_two_characters() -> No
 
 
 @pytest.mark.asyncio
-async def test_a_dotted_capital_i_is_answered_200(start: Any) -> None:
+async def test_a_dotted_capital_i_is_answered_200(start_service: Any) -> None:
     """It was answered "500 synthesis failed: TypeError", every time."""
-    svc = await start()
+    svc = await start_service()
     reader, writer = await connect(svc)
     writer.write(speech("%C4%B0stanbul", method="GET", close=True))
     assert await status(reader) == b"HTTP/1.1 200 OK"
