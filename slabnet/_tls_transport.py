@@ -81,7 +81,7 @@ from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import (
     _AFTER_READ, _NOT_YET, CORK_LIMIT, EXITS, SlabTransport, WriteGate, _as_bytes_view, _keep,
     _views_of, _SELECTOR_LOOP, FEED, FEED_PAUSED, FEED_STOPPED, FEED_SWITCHED, _loop_resources,
-    callback_name, chunk_deliverer, flow_limits,
+    callback_name, chunk_deliverer, flow_limits, schedule_flush,
 )
 from ._write import WriteRequest
 
@@ -686,8 +686,7 @@ class TLSTransport(WriteGate):
                 self._flush()
                 return req
             if not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._loop.call_soon(self._flush_soon)
+                self._flush_scheduled = schedule_flush(self._loop, self._flush_soon)
         if queued + self._plain_bytes > self._high:
             self._check_pause()
         return req

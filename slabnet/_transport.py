@@ -66,8 +66,10 @@ at once, and its number may already be another connection's.
   large one does: a reply, or a frame sent on a timer. The small writes after
   it in the same iteration are copied into the loop's pool, each right after
   the one before while no other connection's copy came between (one buffer,
-  ``OutQueue.gather``), and sent together from a ``call_soon`` callback --
-  or at once when 64 KiB, or 1024 writes (``IOV_MAX``), have gathered.
+  ``OutQueue.gather``), and sent together from a ``call_soon`` callback
+  (``FlushSoon``, which a loop closed before its turn sends from as it
+  drops it) -- or at once when 64 KiB, or 1024 writes (``IOV_MAX``), have
+  gathered, or when no loop runs.
   (``_Iterations`` tells the iterations apart with one callback per loop,
   not per connection, and none for a reply: the write after a reply goes
   at once too, since nothing tells its iteration from the reply's.)
@@ -237,6 +239,51 @@ class _Iterations:
     def _advance(self) -> None:
         self.now += 1
         self._armed = False
+
+
+class FlushSoon:
+    """A connection's end-of-iteration flush (``_flush_soon``), as the loop
+    callback that sends the small writes it gathered.
+
+    A loop closed before the callback's turn drops it unrun: one stopped in
+    the iteration that gathered them (a signal handler's last word to each
+    peer, then ``loop.stop()``), then closed. asyncio's ``write()`` hands
+    the kernel a small write within the call, so none of its writes is lost
+    so; here the drop sends them (``__del__``, as the loop clears its queue)
+    as far as the kernel takes them, with no loop left to wait for the rest.
+    (A write made while no loop runs is sent at once: ``schedule_flush``.)"""
+
+    __slots__ = ("_flush",)
+
+    def __init__(self, flush: Callable[[], None]) -> None:
+        self._flush: Callable[[], None] | None = flush
+
+    def __call__(self) -> None:
+        flush, self._flush = self._flush, None
+        if flush is not None:
+            flush()
+
+    def __repr__(self) -> str:
+        return f"<FlushSoon {self._flush!r}>"
+
+    def __del__(self) -> None:
+        flush, self._flush = self._flush, None
+        if flush is not None:  # dropped unrun
+            try:
+                flush()
+            except Exception:  # (the loop is closed: nothing can wait)
+                pass
+
+
+def schedule_flush(loop: asyncio.AbstractEventLoop, flush: Callable[[], None]) -> bool:
+    """Run ``flush`` at the end of this iteration: True. With no loop
+    running (writes from code between two runs), no iteration ends: it runs
+    now, as asyncio's write() sends within the call, and False."""
+    if loop.is_running():
+        loop.call_soon(FlushSoon(flush))
+        return True
+    flush()
+    return False
 
 
 class _LoopResources:
@@ -931,8 +978,7 @@ class SlabTransport(WriteGate):
             if self._corked >= CORK_LIMIT or self._corked_pieces >= CORK_PIECES:
                 self._flush()
             elif not self._flush_scheduled:
-                self._flush_scheduled = True
-                self._loop.call_soon(self._flush_soon)
+                self._flush_scheduled = schedule_flush(self._loop, self._flush_soon)
             if out.queued > self._high:
                 self._check_pause()
             return None

@@ -781,3 +781,96 @@ def test_a_write_request_awaited_from_another_loop_says_so(
             if "accepted" in locals():
                 accepted.close()
             listener.close()
+
+
+def _connect_writer(
+    loop: asyncio.AbstractEventLoop, tls: bool, request: pytest.FixtureRequest
+) -> tuple[Any, socket.socket, Callable[[], None]]:
+    """A slabnet stream writer connected to a blocking peer socket (TLS
+    if ``tls``); the writer, the peer's socket and what closes the peer."""
+    if tls:
+        peer = BlockingTLSPeer(request.getfixturevalue("tls_server_context"))
+        ctx = request.getfixturevalue("tls_client_context")
+        _, writer = run(loop, slabnet.open_connection(
+            *peer.listener.getsockname(), ssl=ctx, server_hostname="localhost"))
+        sock: socket.socket = run(loop, loop.run_in_executor(None, peer.ready))
+        return writer, sock, peer.close
+    listener = socket.create_server(("127.0.0.1", 0))
+    _, writer = run(loop, slabnet.open_connection(*listener.getsockname()))
+    sock, _ = listener.accept()
+    sock.settimeout(WAKE)
+
+    def close() -> None:
+        sock.close()
+        listener.close()
+
+    return writer, sock, close
+
+
+def _recv_exactly(sock: socket.socket, n: int) -> bytes:
+    got = b""
+    while len(got) < n:
+        piece = sock.recv(n - len(got))  # (the socket's timeout: WAKE)
+        if not piece:
+            break
+        got += piece
+    return got
+
+
+WORDS = [b"bye;", b"see you;", b"soon;"]
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_writes_made_while_the_loop_is_not_running_go_at_once(
+    loop: asyncio.AbstractEventLoop, tls: bool, request: pytest.FixtureRequest,
+) -> None:
+    """Small writes after the first of an iteration are gathered and sent
+    from a callback at its end; written from code that runs between two
+    runs of the loop, they waited for a next run, and a loop closed instead
+    lost them (``b'bye;'`` of the three here). asyncio's write() hands them
+    to the kernel within the call; so does slabnet when no loop runs."""
+    writer, sock, close = _connect_writer(loop, tls, request)
+    try:
+        for word in WORDS:
+            writer.write(word)
+        # Read before the loop runs again: a blocking peer, as a test's.
+        assert _recv_exactly(sock, len(b"".join(WORDS))) == b"".join(WORDS)
+        writer.transport.abort()  # (a TLS close would wait for the peer's close_notify)
+        run(loop, writer.wait_closed())
+    finally:
+        close()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_writes_made_just_before_the_loop_stops_and_closes_are_sent(
+    loop: asyncio.AbstractEventLoop, tls: bool, request: pytest.FixtureRequest,
+) -> None:
+    """A last word to the peer, then ``loop.stop()`` in the same callback
+    (a signal handler's shutdown), then ``loop.close()``: the asyncio loop
+    never ran the callback that sends the gathered writes, and the peer got
+    ``b'bye;'`` only. The loop drops it unrun as it closes, and the drop
+    sends them now, as much as the kernel takes (all of a few bytes)."""
+    writer, sock, close = _connect_writer(loop, tls, request)
+    try:
+        def last_words() -> None:
+            for word in WORDS:
+                writer.write(word)
+            loop.stop()
+
+        loop.call_soon(last_words)
+        loop.run_forever()
+        with warnings.catch_warnings():
+            # (uvloop's close() warns of the connection still open, and
+            # hangs when that warning is an error, as pyproject makes it.)
+            warnings.simplefilter("ignore", ResourceWarning)
+            loop.close()
+        assert _recv_exactly(sock, len(b"".join(WORDS))) == b"".join(WORDS)
+    finally:
+        close()
+        # The connection outlives its loop: nothing can close it now (the
+        # asyncio loop's abort() raises, as for its own transports), so it
+        # goes, unclosed, here rather than in some later test.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            del writer, last_words
+            gc.collect()
