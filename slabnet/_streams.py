@@ -927,6 +927,17 @@ class _StreamProtocol(ChunkProtocol):
     def chunk_received(self, chunk: memoryview) -> None:
         self._reader._feed_chunk(chunk)
 
+    def data_received(self, data: bytes) -> None:
+        # From asyncio's SSLProtocol, in the STARTTLS recipe that predates
+        # StreamWriter.start_tls(): ``loop.start_tls(writer.transport,
+        # writer.transport.get_protocol(), ctx)``, then the writer is pointed
+        # at the TLS transport it returns. (Its bytes are immutable: a view
+        # needs no copy.) Bytes come this way only from a TLS layer, whose
+        # EOF leaves nothing to keep open (eof_received).
+        self._over_ssl = True
+        if data:
+            self._reader._feed_chunk(memoryview(data))
+
     def eof_received(self) -> bool:
         self._reader.feed_eof()
         return not self._over_ssl

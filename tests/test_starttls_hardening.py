@@ -314,3 +314,87 @@ async def test_an_upgrade_refused_leaves_the_plain_connection_as_it_was(
     else:
         assert isinstance(raised, ssl.SSLError)
     assert kept == b"hello"
+
+
+# ------------------------------------------------- the STARTTLS recipe from before 3.11
+
+
+@pytest.mark.parametrize("side", ["client", "server"])
+@pytest.mark.asyncio
+async def test_the_stream_starttls_recipe_with_loop_start_tls(
+    server_cert: Any, tls_ca: Any, loop_name: str, side: str
+) -> None:
+    """Before ``StreamWriter.start_tls()`` (3.11), streams were upgraded so:
+    ``tr = await loop.start_tls(writer.transport,
+    writer.transport.get_protocol(), ctx)``, then ``writer._transport = tr``
+    (SMTP servers and clients, proxies). asyncio's SSLProtocol hands the
+    stream's protocol the decrypted bytes with ``data_received()``, which
+    slabnet's had not: the handshake completed, and the first TLS data
+    failed the connection with AttributeError. The peer is asyncio's own
+    ``start_tls()``, on the other side. uvloop's start_tls() takes only its
+    own transports (the README)."""
+    loop = asyncio.get_running_loop()
+    ours = slabnet if side == "server" else asyncio
+    theirs = asyncio if side == "server" else slabnet
+    answer: asyncio.Future[bytes] = loop.create_future()
+
+    async def recipe(reader: Any, writer: Any, ctx: ssl.SSLContext, **kw: Any) -> bytes:
+        transport = await loop.start_tls(
+            writer.transport, writer.transport.get_protocol(), ctx, **kw)
+        writer._transport = transport
+        writer.write(b"from the recipe\r\n")
+        line = await reader.readline()
+        eof = await reader.read()  # the peer's close_notify: EOF, no warning
+        assert eof == b"", eof
+        writer.close()
+        return bytes(line)
+
+    async def upgraded(reader: Any, writer: Any) -> None:
+        """The other side, with asyncio's own ``writer.start_tls()``."""
+        assert await reader.readline() == b"from the recipe\r\n"
+        writer.write(b"from start_tls\r\n")
+        await writer.drain()
+        writer.close()
+
+    async def handler(reader: Any, writer: Any) -> None:
+        try:
+            assert await reader.readline() == b"STARTTLS\r\n"
+            writer.write(b"220 go ahead\r\n")
+            await writer.drain()
+            if side == "server":
+                # slabnet's writer, the recipe.
+                answer.set_result(await recipe(
+                    reader, writer, server_ctx(server_cert), server_side=True))
+            else:
+                await writer.start_tls(server_ctx(server_cert))
+                await upgraded(reader, writer)
+        except BaseException as exc:
+            if not answer.done():
+                answer.set_exception(exc)
+            writer.close()
+
+    server = await ours.start_server(handler, "127.0.0.1", 0)
+    try:
+        async with asyncio.timeout(WAKE):
+            reader, writer = await theirs.open_connection(*server.sockets[0].getsockname())
+            writer.write(b"STARTTLS\r\n")
+            assert await reader.readline() == b"220 go ahead\r\n"
+            if side == "client":
+                outcome = asyncio.ensure_future(recipe(
+                    reader, writer, client_ctx(tls_ca), server_hostname="localhost"))
+            else:
+                outcome = asyncio.ensure_future(answer)
+                upgrade = writer.start_tls(client_ctx(tls_ca), server_hostname="localhost")
+                if loop_name == "uvloop":
+                    upgrade.close()  # (the server's upgrade fails first)
+                else:
+                    await upgrade
+                    await upgraded(reader, writer)
+            if loop_name == "uvloop":
+                with pytest.raises(TypeError, match="not supported by start_tls"):
+                    await outcome
+                return
+            assert await outcome == b"from start_tls\r\n"
+    finally:
+        writer.close()
+        server.close()
