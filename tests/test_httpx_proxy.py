@@ -303,3 +303,66 @@ async def test_failed_tunnels_do_not_use_up_the_pool(tls_client_context: ssl.SSL
     # (httpcore 1.0.9 under the default transport: two ConnectError, then
     # PoolTimeout; not asserted, so that httpcore's fix does not fail this.)
     assert seen["default"][:2] == [httpx.ConnectError] * 2
+
+
+async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while data := await reader.read(65536):
+            writer.write(data)
+            await writer.drain()
+        writer.write_eof()
+    except OSError:
+        writer.transport.abort()
+
+
+@pytest.mark.parametrize("requests", [2, 8])
+@pytest.mark.asyncio
+async def test_concurrent_requests_share_a_tunnel_without_breaking_it(
+    https_server: _HTTPServer, tls_client_context: ssl.SSLContext, requests: int
+) -> None:
+    # One request leaves a tunnel idle in the pool; then several at once.
+    # httpcore's pool gives the idle tunnel to each of them, and those that
+    # find it taken get httpcore's ConnectionNotAvailable, on which the pool
+    # retries them elsewhere. slabnet's tunnel wrapper took that for a
+    # failed request and closed the tunnel under the one using it: a
+    # ReadError ("connection aborted locally") for it, every time, on both
+    # loops. Every request must get its bytes, as with the default transport.
+    tasks: list[asyncio.Future[Any]] = []
+    writers: list[asyncio.StreamWriter] = []
+
+    async def connect_proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        tasks.append(asyncio.current_task())  # type: ignore[arg-type]
+        writers.append(writer)
+        head = await reader.readuntil(b"\r\n\r\n")
+        host, port = head.split(b" ")[1].decode().rsplit(":", 1)
+        up_reader, up_writer = await asyncio.open_connection(host, int(port))
+        writers.append(up_writer)
+        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
+        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
+
+    proxy = await asyncio.start_server(connect_proxy, "127.0.0.1", 0)
+    url = f"https://127.0.0.1:{https_server.port}/bytes/"
+    seen: dict[str, list[Any]] = {}
+    try:
+        for backend in BACKENDS:
+            c = client(backend, verify=tls_client_context,
+                       proxy=f"http://127.0.0.1:{proxy.sockets[0].getsockname()[1]}")
+
+            async def get(n: int) -> Any:
+                try:
+                    response = await c.get(f"{url}{n}")
+                    return response.status_code, response.content == payload(n)
+                except httpx.TransportError as exc:
+                    return repr(exc)
+
+            async with c, asyncio.timeout(WAIT):
+                seen[backend] = [await get(100)]
+                seen[backend] += await asyncio.gather(*(get(1000 + i) for i in range(requests)))
+    finally:
+        for writer in writers:
+            writer.transport.abort()  # (each pipe ends: the handlers return)
+        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT)
+        proxy.close()
+        await proxy.wait_closed()
+    assert seen["default"] == [(200, True)] * (requests + 1)
+    assert seen["slabnet"] == seen["default"]

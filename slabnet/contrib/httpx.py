@@ -132,6 +132,11 @@ class _Tunnel(httpcore.AsyncConnectionInterface):
     async def handle_async_request(self, request: httpcore.Request) -> httpcore.Response:
         try:
             return await self._connection.handle_async_request(request)
+        except httpcore.ConnectionNotAvailable:
+            # Not a failure: the tunnel is another request's now (the pool
+            # gave an idle one to each request waiting), and the pool tries
+            # this one elsewhere. Closing it would cut that other request.
+            raise
         except BaseException:
             if not self._connection.is_closed():
                 # In a task of its own, to its end, whatever cancels the
