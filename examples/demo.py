@@ -72,11 +72,15 @@ def start_tts(args: argparse.Namespace, impl: str, certs_dir: str) -> tuple[subp
     ]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
-    for line in proc.stdout:
-        print(line.rstrip(), file=sys.stderr)
-        if "listening on " in line:
-            url = line.split("listening on ", 1)[1].split()[0]
-            return proc, url
+    try:
+        for line in proc.stdout:
+            print(line.rstrip(), file=sys.stderr)
+            if "listening on " in line:
+                url = line.split("listening on ", 1)[1].split()[0]
+                return proc, url
+    except BaseException:  # (Ctrl-C, SIGTERM: the service goes with the demo)
+        stop_tts(proc)
+        raise
     raise RuntimeError(f"TTS service exited with {proc.wait()} before listening")
 
 
@@ -142,8 +146,13 @@ def plot(summaries: list[dict[str, Any]], path: str) -> None:
     fig.savefig(path, dpi=100)
 
 
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    raise SystemExit(128 + signum)  # (so the finally clauses stop the services)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _exit_on_signal)
     impls = [i.strip() for i in args.impls.split(",") if i.strip()]
     for impl in impls:
         if impl not in IMPLS:

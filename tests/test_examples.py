@@ -168,6 +168,31 @@ def test_command_line_two_workers_each(certs: Any) -> None:
     assert "stopped cleanly" in out and "0 connection errors" in out, out
 
 
+@pytest.mark.parametrize("cli", ["tts_service", "demo"])
+def test_a_worker_that_fails_to_start_ends_the_command(certs: Any, cli: str) -> None:
+    """With two workers, the service's supervisor waited for each worker's
+    "ready" with no end: a worker that failed at start (``--voice espeak-ng``
+    with no espeak-ng installed, as here: no PATH) left it waiting for good,
+    deaf to SIGINT and SIGTERM, and the demo waiting for it. Both now exit
+    with an error. (One worker, in the supervisor's own process, always
+    did.)"""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PATH=str(certs.ca.parent))  # no espeak-ng
+    if cli == "tts_service":
+        cmd = ["-m", "examples.tts_service", "--port", "0", "--workers", "2",
+               "--voice", "espeak-ng", "--certs", str(certs.ca.parent)]
+    else:
+        cmd = ["-m", "examples.demo", "--calls", "2", "--duration", "1", "--workers", "1",
+               "--tts-workers", "2", "--voice", "espeak-ng"]
+    done = subprocess.run([sys.executable, *cmd], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0
+    assert "espeak-ng is not installed" in done.stderr
+    if cli == "tts_service":
+        assert "a worker exited before it was ready" in done.stderr
+    else:
+        assert "TTS service exited with 1 before listening" in done.stderr
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("impl", ["slabnet", "asyncio"])
 async def test_service_stops_in_its_grace_time_with_a_client_that_never_reads(

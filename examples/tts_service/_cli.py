@@ -9,6 +9,7 @@ import resource
 import signal
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,12 +93,10 @@ def main(argv: list[str] | None = None) -> int:
 
     if procs:
         old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        voices = set()
-        for _ in procs:
-            kind, _port, voice, *_ = status.get()
-            voices.add(voice)
-        _announce(args, port, ",".join(sorted(voices)), certs.ca)
-        while not stop["flag"] and all(p.is_alive() for p in procs):
+        voices = _wait_ready(procs, status, stop)
+        if voices is not None:
+            _announce(args, port, ",".join(sorted(voices)), certs.ca)
+        while voices is not None and not stop["flag"] and all(p.is_alive() for p in procs):
             procs[0].join(0.2)
         for proc in procs:
             if proc.is_alive():
@@ -117,6 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         if holder is not None:
             holder.close()
         codes = [p.exitcode for p in procs]
+        if voices is None and not stop["flag"]:
+            print(f"tts_service: a worker exited before it was ready (exit codes {codes})",
+                  file=sys.stderr, flush=True)
+            return 1
         clean = all(c == 0 for c in codes)
         print(f"tts_service: stopped {'cleanly' if clean else f'with exit codes {codes}'}"
               f" ({responses} responses, {errors} connection errors, {cpu:.1f} s CPU)", flush=True)
@@ -134,6 +137,28 @@ def main(argv: list[str] | None = None) -> int:
     print(f"tts_service: stopped cleanly ({service.responses} responses, "
           f"{service.errors} connection errors, {_cpu_s():.1f} s CPU)", flush=True)
     return 0
+
+
+def _wait_ready(procs: list[Any], status: Any, stop: dict[str, bool]) -> set[str] | None:
+    """The workers' voices once each said it is ready; None if one exited
+    first (its error is on stderr: espeak-ng missing, say) or a signal came.
+    (A SimpleQueue's get() has no timeout: it is polled, with the workers'
+    lives and the signal flag, so a worker that dies never hangs us.)"""
+    voices: set[str] = set()
+    ready = 0
+    while ready < len(procs):
+        if stop["flag"]:
+            return None
+        if not status.empty():
+            kind, _port, voice, *_ = status.get()
+            if kind == "ready":
+                voices.add(voice)
+                ready += 1
+            continue
+        if not all(p.is_alive() for p in procs):
+            return None
+        time.sleep(0.05)
+    return voices
 
 
 def raise_nofile_limit() -> None:
