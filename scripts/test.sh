@@ -6,6 +6,8 @@
 # .venv-3.1x). As root, it first installs the
 # Debian packages of the real peers (scripts/_peers.sh). Every test runs
 # under a time limit (pytest-timeout, from the test extra; pyproject.toml).
+# Arguments (-x, -k ...) go to the Python 3.11 pytest run only; the 3.12
+# and 3.13 runs take their file lists below as they are.
 source "$(dirname "${BASH_SOURCE[0]}")/_venv.sh"
 source "$(dirname "${BASH_SOURCE[0]}")/_peers.sh"
 echo "== mypy --strict"

@@ -38,6 +38,12 @@ import time
 from collections.abc import AsyncIterator, Callable, Generator, Iterator
 from typing import Any
 
+# (Imported here, at the top of the stack: imported first by its pytest
+# plugin's summary, deep in pytest's hooks, its modules' assertion rewrite
+# on CPython 3.11.7 failed with "SystemError: AST constructor recursion
+# depth mismatch", CPython gh-106905, in a run of a file that does not use
+# it.)
+import hypothesis  # noqa: F401
 import pytest
 import pytest_asyncio
 
