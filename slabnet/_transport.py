@@ -248,10 +248,11 @@ class FlushSoon:
     A loop closed before the callback's turn drops it unrun: one stopped in
     the iteration that gathered them (a signal handler's last word to each
     peer, then ``loop.stop()``), then closed. asyncio's ``write()`` hands
-    the kernel a small write within the call, so none of its writes is lost
-    so; here the drop sends them (``__del__``, as the loop clears its queue)
-    as far as the kernel takes them, with no loop left to wait for the rest.
-    (A write made while no loop runs is sent at once: ``schedule_flush``.)"""
+    the kernel a small write within the call, so a loop closed early loses
+    none of them; here the drop sends them (``__del__``, as the loop clears
+    its queue) as far as the kernel takes them, with no loop left to wait
+    for the rest. (A write made while no loop runs is sent at once:
+    ``schedule_flush``.)"""
 
     __slots__ = ("_flush",)
 
