@@ -77,8 +77,8 @@ other than 3 (``HTTP_REQUEST`` or ``HTTPS_PROXY_REQUEST`` if the stream's
 first bytes begin such a request), ``UNEXPECTED_MESSAGE`` for an unknown
 content type (``BAD_RECORD_TYPE`` once TLS 1.3 has been negotiated), and
 ``PACKET_LENGTH_TOO_LONG`` for a length above the limit
-(``ENCRYPTED_LENGTH_TOO_LONG`` in TLS 1.3 up to 2^14 + 323, the longest
-record OpenSSL's read buffer holds).  After a TLS 1.2 handshake OpenSSL
+(``ENCRYPTED_LENGTH_TOO_LONG`` up to 2^14 + 323, the longest record
+OpenSSL's read buffer holds).  After a TLS 1.2 handshake OpenSSL
 would check an unknown content type's MAC first, so what it says of one
 depends on the record's bytes (``DECRYPTION_FAILED_OR_BAD_RECORD_MAC`` for
 garbage); ``UNEXPECTED_MESSAGE`` here, as before the handshake.
@@ -145,8 +145,12 @@ _TYPE_NAMES: Final = {
 #: type (1) + legacy_record_version (2) + length (2), RFC 8446 §5.1.
 HEADER_SIZE: Final = 5
 
-#: TLSCiphertext.length limit in TLS 1.2: 2^14 + 2048 (RFC 5246 §6.2.3).
-MAX_LENGTH_TLS12: Final = 2**14 + 2048
+#: TLSCiphertext.length limit in TLS 1.2 (and before), as OpenSSL keeps it:
+#: 2^14 + 320 (``SSL3_RT_MAX_ENCRYPTED_LENGTH``). RFC 5246 §6.2.3 allows
+#: 2^14 + 2048, but OpenSSL, the engine under the ``ssl`` module, refuses a
+#: longer header as soon as it reads it; a scanner that waited for such a
+#: record's body left a peer that stalls after the header unanswered.
+MAX_LENGTH_TLS12: Final = 2**14 + 320
 
 #: TLSCiphertext.length limit in TLS 1.3: 2^14 + 256 (RFC 8446 §5.2).
 MAX_LENGTH_TLS13: Final = 2**14 + 256
@@ -154,8 +158,8 @@ MAX_LENGTH_TLS13: Final = 2**14 + 256
 # The longest record OpenSSL 3.0's read buffer holds: 2^14 bytes of
 # plaintext, 320 of encryption overhead and 3 that align the payload (the
 # buffer less a header). It refuses a longer header with
-# PACKET_LENGTH_TOO_LONG before any other check, in any version; a TLS 1.3
-# record between MAX_LENGTH_TLS13 and this gets ENCRYPTED_LENGTH_TOO_LONG.
+# PACKET_LENGTH_TOO_LONG before any other check, in any version; a record
+# between the version's limit and this gets ENCRYPTED_LENGTH_TOO_LONG.
 _OPENSSL_LONGEST: Final = 2**14 + 320 + 3
 
 # Drop consumed runs from the front of the run list once this many pile up
@@ -627,7 +631,7 @@ def _not_tls(header: bytes) -> str:
 
 def _too_long(limit: int, length: int) -> str:
     """OpenSSL's reason for a record of ``length`` bytes, above ``limit``."""
-    if limit == MAX_LENGTH_TLS13 and length <= _OPENSSL_LONGEST:
+    if limit in (MAX_LENGTH_TLS12, MAX_LENGTH_TLS13) and length <= _OPENSSL_LONGEST:
         return "ENCRYPTED_LENGTH_TOO_LONG"
     return "PACKET_LENGTH_TOO_LONG"
 
@@ -636,5 +640,5 @@ def _limit_reason(limit: int) -> str:
     if limit == MAX_LENGTH_TLS13:
         return "2^14 + 256, RFC 8446 section 5.2"
     if limit == MAX_LENGTH_TLS12:
-        return "2^14 + 2048, RFC 5246 section 6.2.3"
+        return "2^14 + 320: OpenSSL's, below RFC 5246 section 6.2.3's 2^14 + 2048"
     return "configured"

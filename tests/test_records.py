@@ -184,7 +184,7 @@ def test_consumed_inside_a_record() -> None:
         (struct.pack(">BHH", 22, 0x0403, 10), ["major byte 4"]),
         (
             struct.pack(">BHH", 23, 0x0303, MAX_LENGTH_TLS12 + 1),
-            [f"length {MAX_LENGTH_TLS12 + 1}", "RFC 5246"],
+            [f"length {MAX_LENGTH_TLS12 + 1}", "OpenSSL", "RFC 5246"],
         ),
     ],
 )
@@ -266,7 +266,8 @@ def test_reasons_after_the_first_header_and_in_tls13() -> None:
         (MAX_LENGTH_TLS12, first + record(99, 5), "UNEXPECTED_MESSAGE"),
         (MAX_LENGTH_TLS13, first + record(99, 5), "BAD_RECORD_TYPE"),
         (MAX_LENGTH_TLS13, record(APPLICATION_DATA, MAX_LENGTH_TLS13 + 1), "ENCRYPTED_LENGTH_TOO_LONG"),
-        (MAX_LENGTH_TLS12, record(APPLICATION_DATA, MAX_LENGTH_TLS12 + 1), "PACKET_LENGTH_TOO_LONG"),
+        (MAX_LENGTH_TLS12, record(APPLICATION_DATA, MAX_LENGTH_TLS12 + 1), "ENCRYPTED_LENGTH_TOO_LONG"),
+        (MAX_LENGTH_TLS12, record(APPLICATION_DATA, 2**14 + 324), "PACKET_LENGTH_TOO_LONG"),
     ]
     for limit, data, reason in cases:
         with pytest.raises(TLSRecordError) as info:
