@@ -17,10 +17,11 @@ import socket
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpcore
 import pytest
 import pytest_asyncio
 
-from slabnet.contrib.httpcore import _connect_racing
+from slabnet.contrib.httpcore import SlabnetBackend, _connect_racing
 
 from conftest import fds_settle, open_fds
 
@@ -131,3 +132,21 @@ async def test_a_timeout_while_attempts_run_leaves_no_socket(dropping: tuple[str
         async with asyncio.timeout(0.6):  # (two attempts started, both waiting)
             await _connect_racing("dual.test", 80, None, resolve=resolver(dropping, dropping))
     assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.parametrize("above", [65536, 1 << 20])
+@pytest.mark.asyncio
+async def test_a_port_above_65535_is_refused_not_wrapped(above: int) -> None:
+    # getaddrinfo takes a port modulo 65536: connect_tcp(host, P + 65536)
+    # connected to port P and talked to whatever listened there (a URL
+    # built with httpcore.URL(port=...) reaches the backend unchecked).
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    port = listener.getsockname()[1]
+    try:
+        with pytest.raises(httpcore.ConnectError, match="port must be 0-65535"):
+            await asyncio.wait_for(SlabnetBackend().connect_tcp("127.0.0.1", port + above), WAKE)
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody came
+    finally:
+        listener.close()

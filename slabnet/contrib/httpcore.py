@@ -253,6 +253,9 @@ class SlabnetBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
     ) -> SlabnetStream:
+        if not 0 <= port <= 0xFFFF:
+            # (getaddrinfo takes it modulo 65536: another port's server.)
+            raise httpcore.ConnectError(f"port must be 0-65535, not {port}")
         try:
             async with asyncio.timeout(timeout):
                 sock = await _connect_racing(host, port, local_address)
