@@ -23,7 +23,9 @@ import pytest_asyncio
 import slabnet
 from slabnet.contrib.httpx import AsyncSlabnetTransport
 
-from test_httpx import BACKENDS, WAIT, _HTTPServer, client, https_server, payload  # noqa: F401
+from test_httpx import (  # noqa: F401
+    BACKENDS, WAIT, _connect_proxy, _HTTPServer, client, https_server, payload,
+)
 from test_httpx_hostile import pool, rst
 from test_real_peers import STUNNEL, Peers, needs, peers, stunnel_config, wait_listening  # noqa: F401
 from test_tls_streams import free_port, pem_files  # noqa: F401 (a fixture)
@@ -305,16 +307,6 @@ async def test_failed_tunnels_do_not_use_up_the_pool(tls_client_context: ssl.SSL
     assert seen["default"][:2] == [httpx.ConnectError] * 2
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-        writer.write_eof()
-    except OSError:
-        writer.transport.abort()
-
-
 @pytest.mark.parametrize("requests", [2, 8])
 @pytest.mark.asyncio
 async def test_concurrent_requests_share_a_tunnel_without_breaking_it(
@@ -327,20 +319,7 @@ async def test_concurrent_requests_share_a_tunnel_without_breaking_it(
     # failed request and closed the tunnel under the one using it: a
     # ReadError ("connection aborted locally") for it, every time, on both
     # loops. Every request must get its bytes, as with the default transport.
-    tasks: list[asyncio.Future[Any]] = []
-    writers: list[asyncio.StreamWriter] = []
-
-    async def connect_proxy(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        tasks.append(asyncio.current_task())  # type: ignore[arg-type]
-        writers.append(writer)
-        head = await reader.readuntil(b"\r\n\r\n")
-        host, port = head.split(b" ")[1].decode().rsplit(":", 1)
-        up_reader, up_writer = await asyncio.open_connection(host, int(port))
-        writers.append(up_writer)
-        writer.write(b"HTTP/1.1 200 Connection established\r\n\r\n")
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-
-    proxy = await asyncio.start_server(connect_proxy, "127.0.0.1", 0)
+    proxy = await asyncio.start_server(_connect_proxy, "127.0.0.1", 0)
     url = f"https://127.0.0.1:{https_server.port}/bytes/"
     seen: dict[str, list[Any]] = {}
     try:
@@ -359,10 +338,6 @@ async def test_concurrent_requests_share_a_tunnel_without_breaking_it(
                 seen[backend] = [await get(100)]
                 seen[backend] += await asyncio.gather(*(get(1000 + i) for i in range(requests)))
     finally:
-        for writer in writers:
-            writer.transport.abort()  # (each pipe ends: the handlers return)
-        await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), WAIT)
         proxy.close()
-        await proxy.wait_closed()
     assert seen["default"] == [(200, True)] * (requests + 1)
     assert seen["slabnet"] == seen["default"]
