@@ -718,6 +718,28 @@ class ReadSlab:
             pool.low = len(free)
         return self._held > _IDLE_KEEP
 
+    def release(self) -> None:
+        """Forget every slab and the lending buffer, for a loop that has
+        closed: no read comes again, and its timer is gone, so nothing would
+        trim. (A closed loop lives on while anything refers to it -- a
+        future, a task, a lock bound to it, a frame of a traceback -- and
+        with it its resources.) A slab still viewed is freed with its last
+        view. The ReadSlab stays usable: what a later read takes, it makes
+        anew."""
+        self._reserved = 0
+        self._buf = None
+        self._lending = False
+        self._lend = None
+        held = self._held
+        for pool in self._pools.values():
+            for slab in (*pool.out, *pool.free):
+                self._forget(slab)
+            pool.out.clear()
+            pool.free.clear()
+            pool.low = pool.takes = 0
+        if held >= _RETURN_AFTER:
+            _return_free_memory()
+
     def _start_timer(self) -> None:
         loop = None if self._loop is None else self._loop()
         if loop is None or loop.is_closed():

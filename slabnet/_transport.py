@@ -301,6 +301,18 @@ class _LoopResources:
         self.blocked: weakref.WeakKeyDictionary[SlabTransport, int] = weakref.WeakKeyDictionary()
         # A sweep is scheduled. (Not its handle: it holds the loop.)
         self._sweeping = False
+        _LoopEnd.watch(self, loop)
+
+    def loop_closed(self) -> None:
+        """The loop has closed (``_LoopEnd``): give back what only it could
+        have used -- the read slabs, which its trim timer would have
+        released, and the duplicate descriptors of the queues that waited
+        on it, which would hold their connections open after the loop closed
+        its own descriptors (uvloop closes them all)."""
+        self.slab.release()
+        for tr in list(self.blocked):
+            tr._loop_closed()
+        self.blocked.clear()
 
     def watch(self, tr: SlabTransport, loop: asyncio.AbstractEventLoop) -> None:
         self.blocked[tr] = tr._out.sent_total
@@ -339,6 +351,55 @@ class _LoopResources:
         if blocked and not loop.is_closed():
             self._sweeping = True
             loop.call_later(_STALLED_AFTER, self._sweep_blocked, loop)
+
+
+class _LoopEnd:
+    """Tells a loop's resources that it closed.
+
+    A closed loop can live on for as long as anything refers to it (a
+    future, a task, a lock bound to it, a traceback's frame), and its
+    resources with it, kept under it: tens of MB of read slabs that only its
+    trim timer releases, which closed with it. asyncio has no close hook,
+    but both loops drop their pending timers as they close: this is a timer
+    far in the future, which does its work when it is dropped unrun
+    (``__del__``) and, should it ever come due, waits again."""
+
+    __slots__ = ("_res", "_loop")
+
+    #: Seconds between two watches of a loop that runs long.
+    PERIOD: Final = 86400.0
+
+    def __init__(self, res: _LoopResources, loop: asyncio.AbstractEventLoop) -> None:
+        # (Weak: the loop's timer must not keep either alive.)
+        self._res: weakref.ref[_LoopResources] | None = weakref.ref(res)
+        self._loop = weakref.ref(loop)
+
+    @classmethod
+    def watch(cls, res: _LoopResources, loop: asyncio.AbstractEventLoop) -> None:
+        # Only from the loop's own thread, or while no thread runs it
+        # (get_slab(loop) may be called from anywhere): a loop's timers are
+        # not thread-safe. A closed loop has nothing left to give back.
+        if loop.is_closed() or (
+            loop.is_running() and asyncio._get_running_loop() is not loop
+        ):
+            return
+        loop.call_later(cls.PERIOD, cls(res, loop))
+
+    def __call__(self) -> None:
+        ref, self._res = self._res, None
+        res = None if ref is None else ref()
+        loop = self._loop()
+        if res is not None and loop is not None:
+            self.watch(res, loop)
+
+    def __del__(self) -> None:
+        ref, self._res = self._res, None
+        res = None if ref is None else ref()
+        if res is not None:  # dropped unrun: the loop closed
+            try:
+                res.loop_closed()
+            except Exception:  # (a __del__ has no one to raise to)
+                pass
 
 
 _resources: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopResources] = (
@@ -1350,6 +1411,16 @@ class SlabTransport(WriteGate):
         dup.close()
         self._dup = None
         self._lend()
+
+    def _loop_closed(self) -> None:
+        """The loop closed while this queue waited on a duplicate descriptor:
+        close it. The queue stays unsent, as a loop's transport keeps its
+        buffer when its loop closes under it; the connection ends as the
+        loop left it (uvloop closes its descriptor, the asyncio loop keeps
+        its socket open until the transport is collected or closed)."""
+        dup = self._dup
+        if dup is not None:
+            dup.close()  # (its number stays -1: the loop forgot it)
 
     def _stop_waiting(self) -> None:
         """The queue is empty, or the send side closed: stop waiting and

@@ -109,6 +109,34 @@ def test_kept_chunk_pins_its_slab_and_stats_say_so() -> None:
     assert slabnet.memory_stats().pinned_bytes <= base.pinned_bytes
 
 
+def test_release_forgets_every_slab_and_keeps_viewed_bytes_intact() -> None:
+    """``release()`` (the loop closed) empties the lists, free and viewed
+    slabs alike, and the lending buffer; a kept chunk still shows its bytes
+    and no later read writes into its slab."""
+    slab = ReadSlab()
+    kept = []
+    for i in range(6):
+        buf = slab.reserve(-1)
+        fill(buf, bytes([i]) * SLAB)
+        del buf
+        chunk = slab.commit(SLAB)
+        if i % 2:
+            kept.append(chunk)
+        del chunk
+    slab.reserve_lent()  # (TLS ciphertext's buffer, made on first use)
+    slab.consume(10)
+    assert slab._held > 0 and slab._lend is not None
+    slab.release()
+    assert slab._held == 0 and slab._lend is None
+    assert "held=0 slabs, 0 bytes" in repr(slab)
+    for _ in range(6):
+        buf = slab.reserve(-1)
+        fill(buf, b"\xff" * SLAB)
+        del buf
+        slab.commit(SLAB)
+    assert [bytes(c) for c in kept] == [bytes([i]) * SLAB for i in (1, 3, 5)]
+
+
 def test_commit_without_reserve_and_bad_sizes_raise() -> None:
     slab = ReadSlab()
     with pytest.raises(RuntimeError, match="without a pending reserve"):
