@@ -487,6 +487,14 @@ class TLSEngine:
         """True once read_chunk() has returned (or will return) clean EOF."""
         return self._read_final is _EOF
 
+    @property
+    def read_ended(self) -> bool:
+        """True once read_chunk() has returned (or will return) its end:
+        clean EOF, or the error it raises. A read can decrypt the last
+        records and find the end behind them: the end then waits here for
+        the next read_chunk() with no input left to buffer."""
+        return self._read_final is not None
+
     def _set_state(self, new: TLSState) -> None:
         old = self._state
         if new is old:

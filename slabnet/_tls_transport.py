@@ -572,8 +572,11 @@ class TLSTransport(WriteGate):
         if held and engine is not None and (
             engine.buffered_ciphertext or engine.plaintext_waiting
             or self._held_plain is not None
+            or (engine.read_ended and not self._read_over)
         ):
-            # Records that arrived before the pause are delivered first.
+            # Records that arrived before the pause are delivered first, and
+            # so is an end the engine read with them: no input may come to
+            # bring it (a peer waits for our close_notify after its own).
             self._loop.call_soon(self._pump)
 
     # The read-buffer limits of the loops' TLS transports: their SSL

@@ -15,12 +15,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import socket
+import ssl
 from typing import Any
 
 import pytest
 
 import slabnet
-from conftest import client_ctx, server_ctx
+from conftest import RawTLS, client_ctx, server_ctx
 
 WAKE = 10.0
 DATA = os.urandom(4 << 20)
@@ -224,3 +226,112 @@ async def test_a_stream_handler_that_pauses_at_once_hands_over_the_handshake_rea
         for w in kept:
             w.transport.abort()
         server.close()
+
+
+class PausesEachTime(asyncio.Protocol):
+    """Pauses in every ``data_received`` and resumes in the next callback;
+    writes down what comes, and when the connection ends."""
+
+    def __init__(self) -> None:
+        self.transport: Any = None
+        self.got = bytearray()
+        self.eof = False
+        self.lost: asyncio.Future[BaseException | None] = (
+            asyncio.get_running_loop().create_future()
+        )
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.got += data
+        self.transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self.transport.resume_reading)
+
+    def eof_received(self) -> None:
+        self.eof = True
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+@pytest.mark.parametrize("end", ["close_notify", "bad_record"])
+@pytest.mark.parametrize("side", ["client", "server"])
+@pytest.mark.parametrize("impl", ["slabnet", "asyncio"])
+@pytest.mark.asyncio
+async def test_the_end_after_the_data_comes_once_a_paused_app_resumes(
+    impl: str, side: str, end: str, tls_ca: Any, server_cert: Any
+) -> None:
+    """The peer's last data and its end (a close_notify, or a record that
+    fails) come in one read; the app pauses in the data's callback and
+    resumes in the next one. The engine had read the end with the data, so
+    nothing was left to decrypt, and the resume looked only for ciphertext
+    or plaintext: the EOF or error waited for input that would never come,
+    and the app for it, until it closed the connection itself (or the
+    peer's shutdown timeout, 30 s for asyncio's, cut TCP). asyncio's TLS
+    delivers the end at once."""
+    loop = asyncio.get_running_loop()
+    apps: list[PausesEachTime] = []
+    sctx, cctx = server_ctx(server_cert), client_ctx(tls_ca)
+
+    def factory() -> Any:
+        apps.append(PausesEachTime())
+        if impl == "asyncio":
+            return apps[-1]
+        if side == "server":
+            return slabnet.SlabProtocol(apps[-1], ssl=sctx, server_side=True)
+        return slabnet.SlabProtocol(apps[-1], ssl=cctx, server_hostname="localhost")
+
+    async def finish(peer: RawTLS) -> None:
+        wire = peer.seal(b"x" * 100)
+        if end == "close_notify":
+            wire += peer.close_notify()
+        else:
+            wire += b"\x17\x03\x03\x00\x20" + bytes(32)
+        await peer.send(wire)  # (one send: one read on the other side)
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    server = None
+    peer_sock: socket.socket | None = None
+    try:
+        async with asyncio.timeout(WAKE):
+            if side == "client":
+                opening = asyncio.ensure_future(loop.create_connection(
+                    factory, *listener.getsockname(),
+                    **({} if impl == "slabnet" else {"ssl": cctx, "server_hostname": "localhost"})))
+                peer_sock, _ = await loop.sock_accept(listener)
+                peer = RawTLS(peer_sock, sctx, server_side=True)
+                await peer.handshake()
+                await opening
+            else:
+                server = await loop.create_server(
+                    factory, "127.0.0.1", 0, ssl=None if impl == "slabnet" else sctx)
+                peer_sock = socket.socket()
+                peer_sock.setblocking(False)
+                await loop.sock_connect(peer_sock, server.sockets[0].getsockname())
+                peer = RawTLS(peer_sock, cctx, server_side=False, server_hostname="localhost")
+                await peer.handshake()
+                while not apps or apps[0].transport is None:
+                    await asyncio.sleep(0.01)
+            await finish(peer)
+            # The peer keeps TCP open (it waits for our close_notify): only
+            # the end it sent can end the connection here.
+            exc = await apps[0].lost
+        if impl == "slabnet" or end == "close_notify":
+            # (asyncio's TLS drops the data in front of a failing record.)
+            assert bytes(apps[0].got) == b"x" * 100
+        if end == "close_notify":
+            assert apps[0].eof and exc is None
+        else:
+            assert not apps[0].eof and isinstance(exc, ssl.SSLError), exc
+    finally:
+        for app in apps:
+            if app.transport is not None:
+                app.transport.abort()
+        if peer_sock is not None:
+            peer_sock.close()
+        listener.close()
+        if server is not None:
+            server.close()
