@@ -375,14 +375,20 @@ class TLSTransport(WriteGate):
                 engine.receive_eof()
                 self._handshake()
             return True
+        # Records that came before the EOF are read before it: all of them
+        # now for a stream (it takes whole reads, paused or not) and inside
+        # another TLS layer, which closes once this returns; for a protocol
+        # until it pauses, and the rest, then the end, once it resumes
+        # (_resume_lower): a protocol gets nothing while paused, and over
+        # TCP the FIN leaves the connection open for our answer.
+        whole = self._whole_reads or isinstance(self._lower, TLSTransport)
         if engine.input_pending and not self._read_over:
-            # Records that came before the EOF are read before it: inside
-            # another TLS layer, which delivers its whole read even to a
-            # paused app, our records can wait in the engine while that
+            # (Inside another TLS layer, which delivers its whole read even
+            # to a paused app, our records can wait in the engine while that
             # layer reads on to its close_notify. The peer's close_notify
             # among them is answered with ours, as it would be without the
-            # pause (asyncio's streams answer it too).
-            self._pump(force=True)
+            # pause: asyncio's streams answer it too.)
+            self._pump(whole)
         self._peer_eof = True
         # The peer's FIN ends its direction only: ours stays open until our
         # close. Encrypt what the app wrote this iteration now, while the
@@ -391,7 +397,7 @@ class TLSTransport(WriteGate):
         if self._plain and self._stage is _Stage.READY:
             self._flush()
         engine.receive_eof()
-        self._pump(force=True)
+        self._pump(whole)
         return True  # we close the plain connection ourselves
 
     def connection_lost(self, exc: BaseException | None) -> None:
@@ -573,6 +579,7 @@ class TLSTransport(WriteGate):
             engine.buffered_ciphertext or engine.plaintext_waiting
             or self._held_plain is not None
             or (engine.read_ended and not self._read_over)
+            or (self._peer_eof and not self._read_over)
         ):
             # Records that arrived before the pause are delivered first, and
             # so is an end the engine read with them: no input may come to
