@@ -435,9 +435,10 @@ async def test_a_fin_reaches_a_paused_app_only_after_it_resumes(
             peer_sock.shutdown(socket.SHUT_WR)
             await wait_acked(peer_sock)
             while not app.lost.done():
-                await asyncio.wait([asyncio.ensure_future(app.pause.wait()), app.lost],
-                                   return_when=asyncio.FIRST_COMPLETED)
+                paused = asyncio.ensure_future(app.pause.wait())
+                await asyncio.wait([paused, app.lost], return_when=asyncio.FIRST_COMPLETED)
                 if app.lost.done():
+                    paused.cancel()
                     break
                 # Everything, FIN included, is in our kernel, or read: the
                 # app stays paused a while, as one that forwards each chunk.
