@@ -13,10 +13,12 @@ read: they buffer it.)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import os
 import socket
 import ssl
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -256,40 +258,25 @@ class PausesEachTime(asyncio.Protocol):
             self.lost.set_result(exc)
 
 
-@pytest.mark.parametrize("end", ["close_notify", "bad_record"])
-@pytest.mark.parametrize("side", ["client", "server"])
-@pytest.mark.parametrize("impl", ["slabnet", "asyncio"])
-@pytest.mark.asyncio
-async def test_the_end_after_the_data_comes_once_a_paused_app_resumes(
-    impl: str, side: str, end: str, tls_ca: Any, server_cert: Any
-) -> None:
-    """The peer's last data and its end (a close_notify, or a record that
-    fails) come in one read; the app pauses in the data's callback and
-    resumes in the next one. The engine had read the end with the data, so
-    nothing was left to decrypt, and the resume looked only for ciphertext
-    or plaintext: the EOF or error waited for input that would never come,
-    and the app for it, until it closed the connection itself (or the
-    peer's shutdown timeout, 30 s for asyncio's, cut TCP). asyncio's TLS
-    delivers the end at once."""
+@contextlib.asynccontextmanager
+async def raw_peer_of(
+    impl: str, side: str, app_type: type[Any], tls_ca: Any, server_cert: Any
+) -> AsyncIterator[tuple[Any, RawTLS]]:
+    """An ``app_type`` app on ``side`` of a TLS connection, under slabnet's
+    ``SlabProtocol`` or the loop's own TLS (``impl``), and its peer, a
+    ``RawTLS`` on a plain socket, both handshakes done: (app, peer). On
+    exit the app's transport is aborted and the sockets closed."""
     loop = asyncio.get_running_loop()
-    apps: list[PausesEachTime] = []
+    apps: list[Any] = []
     sctx, cctx = server_ctx(server_cert), client_ctx(tls_ca)
 
     def factory() -> Any:
-        apps.append(PausesEachTime())
+        apps.append(app_type())
         if impl == "asyncio":
             return apps[-1]
         if side == "server":
             return slabnet.SlabProtocol(apps[-1], ssl=sctx, server_side=True)
         return slabnet.SlabProtocol(apps[-1], ssl=cctx, server_hostname="localhost")
-
-    async def finish(peer: RawTLS) -> None:
-        wire = peer.seal(b"x" * 100)
-        if end == "close_notify":
-            wire += peer.close_notify()
-        else:
-            wire += b"\x17\x03\x03\x00\x20" + bytes(32)
-        await peer.send(wire)  # (one send: one read on the other side)
 
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
@@ -315,17 +302,7 @@ async def test_the_end_after_the_data_comes_once_a_paused_app_resumes(
                 await peer.handshake()
                 while not apps or apps[0].transport is None:
                     await asyncio.sleep(0.01)
-            await finish(peer)
-            # The peer keeps TCP open (it waits for our close_notify): only
-            # the end it sent can end the connection here.
-            exc = await apps[0].lost
-        if impl == "slabnet" or end == "close_notify":
-            # (asyncio's TLS drops the data in front of a failing record.)
-            assert bytes(apps[0].got) == b"x" * 100
-        if end == "close_notify":
-            assert apps[0].eof and exc is None
-        else:
-            assert not apps[0].eof and isinstance(exc, ssl.SSLError), exc
+        yield apps[0], peer
     finally:
         for app in apps:
             if app.transport is not None:
@@ -335,6 +312,40 @@ async def test_the_end_after_the_data_comes_once_a_paused_app_resumes(
         listener.close()
         if server is not None:
             server.close()
+
+
+@pytest.mark.parametrize("end", ["close_notify", "bad_record"])
+@pytest.mark.parametrize("side", ["client", "server"])
+@pytest.mark.parametrize("impl", ["slabnet", "asyncio"])
+@pytest.mark.asyncio
+async def test_the_end_after_the_data_comes_once_a_paused_app_resumes(
+    impl: str, side: str, end: str, tls_ca: Any, server_cert: Any
+) -> None:
+    """The peer's last data and its end (a close_notify, or a record that
+    fails) come in one read; the app pauses in the data's callback and
+    resumes in the next one. The engine had read the end with the data, so
+    nothing was left to decrypt, and the resume looked only for ciphertext
+    or plaintext: the EOF or error waited for input that would never come,
+    and the app for it, until it closed the connection itself (or the
+    peer's shutdown timeout, 30 s for asyncio's, cut TCP). asyncio's TLS
+    delivers the end at once."""
+    async with raw_peer_of(impl, side, PausesEachTime, tls_ca, server_cert) as (app, peer):
+        wire = peer.seal(b"x" * 100)
+        if end == "close_notify":
+            wire += peer.close_notify()
+        else:
+            wire += b"\x17\x03\x03\x00\x20" + bytes(32)
+        await peer.send(wire)  # (one send: one read on the other side)
+        # The peer keeps TCP open (it waits for our close_notify): only the
+        # end it sent can end the connection here.
+        exc = await asyncio.wait_for(app.lost, WAKE)
+        if impl == "slabnet" or end == "close_notify":
+            # (asyncio's TLS drops the data in front of a failing record.)
+            assert bytes(app.got) == b"x" * 100
+        if end == "close_notify":
+            assert app.eof and exc is None
+        else:
+            assert not app.eof and isinstance(exc, ssl.SSLError), exc
 
 
 class PausedByTheTest(asyncio.Protocol):
@@ -390,50 +401,15 @@ async def test_a_fin_reaches_a_paused_app_only_after_it_resumes(
     ``data_received()`` while paused (it does deliver the end then on some
     loops: not asserted of it). Now the records come one per resume, then
     the end."""
-    loop = asyncio.get_running_loop()
-    apps: list[PausedByTheTest] = []
-    sctx, cctx = server_ctx(server_cert), client_ctx(tls_ca)
     payload = os.urandom(4 * 16384)
-
-    def factory() -> Any:
-        apps.append(PausedByTheTest())
-        if impl == "asyncio":
-            return apps[-1]
-        if side == "server":
-            return slabnet.SlabProtocol(apps[-1], ssl=sctx, server_side=True)
-        return slabnet.SlabProtocol(apps[-1], ssl=cctx, server_hostname="localhost")
-
-    listener = socket.create_server(("127.0.0.1", 0))
-    listener.setblocking(False)
-    server = None
-    peer_sock: socket.socket | None = None
-    try:
+    async with raw_peer_of(impl, side, PausedByTheTest, tls_ca, server_cert) as (app, peer):
         async with asyncio.timeout(WAKE):
-            if side == "client":
-                opening = asyncio.ensure_future(loop.create_connection(
-                    factory, *listener.getsockname(),
-                    **({} if impl == "slabnet" else {"ssl": cctx, "server_hostname": "localhost"})))
-                peer_sock, _ = await loop.sock_accept(listener)
-                peer = RawTLS(peer_sock, sctx, server_side=True)
-                await peer.handshake()
-                await opening
-            else:
-                server = await loop.create_server(
-                    factory, "127.0.0.1", 0, ssl=None if impl == "slabnet" else sctx)
-                peer_sock = socket.socket()
-                peer_sock.setblocking(False)
-                await loop.sock_connect(peer_sock, server.sockets[0].getsockname())
-                peer = RawTLS(peer_sock, cctx, server_side=False, server_hostname="localhost")
-                await peer.handshake()
-                while not apps or apps[0].transport is None:
-                    await asyncio.sleep(0.01)
-            app = apps[0]
             wire = b"".join(peer.seal(payload[i:i + 16384]) for i in range(0, len(payload), 16384))
             if end == "close_notify_fin":
                 wire += peer.close_notify()
             await peer.send(wire)
-            peer_sock.shutdown(socket.SHUT_WR)
-            await wait_acked(peer_sock)
+            peer.sock.shutdown(socket.SHUT_WR)
+            await wait_acked(peer.sock)
             while not app.lost.done():
                 paused = asyncio.ensure_future(app.pause.wait())
                 await asyncio.wait([paused, app.lost], return_when=asyncio.FIRST_COMPLETED)
@@ -452,12 +428,3 @@ async def test_a_fin_reaches_a_paused_app_only_after_it_resumes(
             # (uvloop's TLS server drops the records left at the FIN.)
             assert payload.startswith(bytes(app.got))
             assert [e for e in app.events if e == ("data", True)] == []
-    finally:
-        for a in apps:
-            if a.transport is not None:
-                a.transport.abort()
-        if peer_sock is not None:
-            peer_sock.close()
-        listener.close()
-        if server is not None:
-            server.close()
