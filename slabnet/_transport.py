@@ -385,16 +385,20 @@ class _LoopEnd:
             return
         loop.call_later(cls.PERIOD, cls(res, loop))
 
-    def __call__(self) -> None:
+    def _take(self) -> _LoopResources | None:
+        """The resources, once: whichever of the run and the drop comes
+        first has them."""
         ref, self._res = self._res, None
-        res = None if ref is None else ref()
+        return None if ref is None else ref()
+
+    def __call__(self) -> None:
+        res = self._take()
         loop = self._loop()
         if res is not None and loop is not None:
             self.watch(res, loop)
 
     def __del__(self) -> None:
-        ref, self._res = self._res, None
-        res = None if ref is None else ref()
+        res = self._take()
         if res is not None:  # dropped unrun: the loop closed
             try:
                 res.loop_closed()
