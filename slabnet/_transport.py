@@ -137,6 +137,16 @@ _PAUSED_READ: Final = 1024
 
 _SEND_RETRY: Final = (BlockingIOError, InterruptedError)
 
+#: A send error that means the connection is over: the peer can send no
+#: more, so what the kernel holds of what it sent is all there will be.
+_SEND_ENDED: Final = (ConnectionResetError, BrokenPipeError, ConnectionAbortedError, TimeoutError)
+
+#: The most ``take_unread`` reads from the kernel at a connection's end
+#: (more than a receive buffer holds: Linux's largest default is 6 MiB),
+#: and the size of each of its reads.
+_UNREAD_MOST: Final = 32 * 1024 * 1024
+_UNREAD_READ: Final = 256 * 1024
+
 #: What an app's callback raises that is not its failure: these leave
 #: run_forever, as out of the loops' own callbacks. The loops' transports
 #: re-raise exactly these and take any other exception, CancelledError
@@ -1223,7 +1233,10 @@ class SlabTransport(WriteGate):
         it does asyncio's (the send's is kept for a close of the loop's
         that brings none). (On uvloop a reset read first left every waiter
         with ``BrokenPipeError``.) Otherwise the send's error ends the
-        connection."""
+        connection. When that error is the connection's end (a reset the
+        send met first), what the peer sent before it and the kernel still
+        holds is read first (``take_unread``): the loss delivers it before
+        the error, as a read that met the reset would have."""
         if self._raw.is_closing() and not self._raw_gone:
             if self._error is None:
                 # (Ours only if the loop's close turns out to be a graceful
@@ -1232,6 +1245,8 @@ class SlabTransport(WriteGate):
                 self._send_deferred = True
             self._close_sock()
             return
+        if isinstance(exc, _SEND_ENDED) and not self._raw_gone:
+            self._proto.take_unread(self._fd)
         self._abort(exc)
 
     def _maybe_close_raw(self) -> None:
@@ -2050,6 +2065,34 @@ class SlabProtocol(asyncio.BufferedProtocol):
         self._socket_paused = True
         assert self._raw is not None
         self._raw.pause_reading()
+
+    def take_unread(self, fd: int) -> None:
+        """A send met the connection's end, which aborts it: read now what
+        the kernel still holds of the peer's bytes (descriptor ``fd``), or
+        it would go with the connection, and hold it after anything held
+        already. ``connection_lost`` delivers it before the error, paused
+        or not, as it delivers the bytes of a read made while paused. (A
+        read that met the reset instead would have returned them first; a
+        paused connection, or one whose bytes arrived in this iteration,
+        had not read them yet.) Nothing is read after a FIN (the kernel
+        holds nothing more) or once the app closed or aborted."""
+        if self._stopped or self._eof or self._transport is None:
+            return
+        parts = [] if self._held is None else [self._held.tobytes()]
+        total = 0
+        while total < _UNREAD_MOST:
+            try:
+                data = os.read(fd, _UNREAD_READ)
+            except InterruptedError:
+                continue
+            except OSError:  # nothing more now (EAGAIN), or the reset itself
+                break
+            if not data:
+                break
+            parts.append(data)
+            total += len(data)
+        if total:
+            self._held = memoryview(b"".join(parts))
 
     def _release_soon(self) -> None:
         """Deliver what is held (and resume the socket) from the loop."""

@@ -23,6 +23,7 @@ import trustme
 import slabnet
 from slabnet._slab import LEND_SIZE
 from conftest import (
+    Recorder,
     RawTLS,
     client_ctx,
     fds_settle,
@@ -165,6 +166,99 @@ async def test_peer_reset_mid_transfer_tls(listener: socket.socket, server_cert:
     assert isinstance(exc, ConnectionResetError), repr(exc)
     writer.close()
     assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.asyncio
+async def test_a_write_that_meets_a_reset_keeps_what_the_kernel_had_received(
+    listener: socket.socket, server_cert: Any, tls_ca: Any, tls: bool
+) -> None:
+    """The peer sends more than the reader takes (it pauses), then resets.
+    The app's next write meets the reset: the connection ends with the
+    send's error. What the kernel had received and slabnet had not read yet
+    was dropped with the connection (a third of it and more: a server's
+    early error response to an upload, lost to the upload's failure). Now it is
+    read before the end, and the reader returns every byte, then the error.
+    (asyncio's reader raises at once, dropping even what it had buffered.)"""
+    baseline = open_fds()
+    # Over TLS the layer reads on while the stream is paused, up to its read
+    # high-water mark (256 KiB): 96 KiB more then wait in the kernel.
+    payload = os.urandom((96 + (256 if tls else 0)) * 1024)
+
+    async def peer() -> None:
+        sock = await accept(listener)
+        if tls:
+            raw = RawTLS(sock, server_ctx(server_cert), server_side=True)
+            await raw.handshake()
+            await raw.send(raw.seal(*(payload[i : i + 16384] for i in range(0, len(payload), 16384))))
+        else:
+            await asyncio.get_running_loop().sock_sendall(sock, payload)
+        await wait_acked(sock)  # (all of it in the client's kernel or read)
+        hard_close(sock)
+
+    task = asyncio.create_task(peer())
+    # limit=1024: the reader pauses after a few KiB; the client's window
+    # (roomy_client) takes the rest.
+    kw: dict[str, Any] = {"ssl": client_ctx(tls_ca), "server_hostname": "localhost"} if tls else {}
+    reader, writer = await slabnet.open_connection(
+        sock=await roomy_client(listener), limit=1024, **kw
+    )
+    await asyncio.wait_for(task, WAKE)  # the reset is on its way
+    async with asyncio.timeout(WAKE):
+        with pytest.raises(ConnectionError):  # a write meets it
+            while True:
+                writer.write(b"x")
+                await writer.drain()
+                await asyncio.sleep(0.005)
+    data, exc = await read_all(reader)
+    assert len(data) == len(payload) and data == payload
+    assert isinstance(exc, ConnectionError), repr(exc)
+    writer.close()
+    assert await fds_settle(baseline) <= baseline
+
+
+@pytest.mark.asyncio
+async def test_a_paused_app_whose_first_write_meets_a_reset_gets_every_byte(
+    listener: socket.socket,
+) -> None:
+    """An app paused from ``connection_made``; the peer sends 64 KiB and
+    resets. The app resumes and writes in its first chunk's callback: the
+    write meets the reset. The app got the 1 KiB a read made while paused
+    holds, then the loss; the rest stayed in the kernel and went with the
+    connection. (asyncio's first read after the resume takes 256 KiB, so
+    it lost them only beyond that.) Now the rest comes before the loss."""
+    loop = asyncio.get_running_loop()
+    payload = os.urandom(64 * 1024)
+
+    class PausedReplier(Recorder):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            self.transport.pause_reading()  # type: ignore[union-attr]
+
+        def chunk_received(self, chunk: memoryview) -> None:
+            super().chunk_received(chunk)
+            if len(self.events) == 2:  # ("made", the first chunk)
+                self.transport.write(b"reply")  # type: ignore[union-attr]
+
+    app = PausedReplier()
+    async with asyncio.timeout(WAKE):
+        opening = asyncio.ensure_future(loop.create_connection(
+            lambda: slabnet.SlabProtocol(app), *listener.getsockname()
+        ))
+        peer, _ = await loop.sock_accept(listener)
+        await opening
+        peer.setblocking(False)
+        await loop.sock_sendall(peer, payload)
+        await wait_acked(peer)
+        hard_close(peer)
+        assert app.transport is not None
+        sock = app.transport.get_extra_info("socket")
+        while sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 7:  # TCP_CLOSE
+            await asyncio.sleep(0.005)  # (until the reset has arrived)
+        app.transport.resume_reading()
+        exc = await app.lost
+    assert b"".join(e for e in app.events if isinstance(e, bytes)) == payload
+    assert isinstance(exc, ConnectionResetError), repr(exc)
 
 
 # ---------------------------------------------------------------- certificates
