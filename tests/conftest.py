@@ -523,12 +523,12 @@ class Recorder(slabnet.ChunkProtocol):
 
 
 async def connect_slab(
-    listener: socket.socket, wake: float = 5.0
+    listener: socket.socket, wake: float = 5.0, app: Recorder | None = None
 ) -> tuple[slabnet.SlabTransport, Recorder, socket.socket]:
-    """A ``SlabProtocol`` connection (its transport, its ``Recorder`` app)
-    to a raw peer accepted on ``listener``."""
+    """A ``SlabProtocol`` connection (its transport, its ``Recorder`` app:
+    ``app``, or a new one) to a raw peer accepted on ``listener``."""
     loop = asyncio.get_running_loop()
-    app = Recorder()
+    app = Recorder() if app is None else app
     async with asyncio.timeout(wake):
         opening = asyncio.ensure_future(loop.create_connection(
             lambda: slabnet.SlabProtocol(app), *listener.getsockname()

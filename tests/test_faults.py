@@ -26,6 +26,7 @@ from conftest import (
     Recorder,
     RawTLS,
     client_ctx,
+    connect_slab,
     fds_settle,
     hard_close,
     open_fds,
@@ -240,22 +241,15 @@ async def test_a_paused_app_whose_first_write_meets_a_reset_gets_every_byte(
             if len(self.events) == 2:  # ("made", the first chunk)
                 self.transport.write(b"reply")  # type: ignore[union-attr]
 
-    app = PausedReplier()
+    transport, app, peer = await connect_slab(listener, WAKE, PausedReplier())
     async with asyncio.timeout(WAKE):
-        opening = asyncio.ensure_future(loop.create_connection(
-            lambda: slabnet.SlabProtocol(app), *listener.getsockname()
-        ))
-        peer, _ = await loop.sock_accept(listener)
-        await opening
-        peer.setblocking(False)
         await loop.sock_sendall(peer, payload)
         await wait_acked(peer)
         hard_close(peer)
-        assert app.transport is not None
-        sock = app.transport.get_extra_info("socket")
+        sock = transport.get_extra_info("socket")
         while sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 7:  # TCP_CLOSE
             await asyncio.sleep(0.005)  # (until the reset has arrived)
-        app.transport.resume_reading()
+        transport.resume_reading()
         exc = await app.lost
     assert b"".join(e for e in app.events if isinstance(e, bytes)) == payload
     assert isinstance(exc, ConnectionResetError), repr(exc)
