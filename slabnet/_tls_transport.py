@@ -648,7 +648,7 @@ class TLSTransport(WriteGate):
         return self._gather(memoryview(view), n)
 
     def writelines(self, list_of_data: Iterable[Any]) -> WriteRequest | None:  # type: ignore[override]
-        views, _ = _views_of(list_of_data)
+        views, total = _views_of(list_of_data)
         if not views:
             return None
         if len(views) == 1:
@@ -656,25 +656,26 @@ class TLSTransport(WriteGate):
         if self._closing or self._eof_requested:
             if not self._check_writable():
                 return None
-        its = self._iterations
-        sent_in = self._sent_in
-        first = sent_in != its.now
-        if first:  # (one record for them all, at once, below)
-            self._sent_in = its.now
-        req = None
+        # All of them are gathered before anything is sent or the app is
+        # told to pause: its pause_writing() may write or close, and that
+        # comes after the whole call, as with the loops' transports.
+        plain = self._plain
         for v in views:
-            req = self._gather(v, v.nbytes) or req
-        if first:
-            self._sent_in = its.stamp(sent_in, self._loop)
-            if self._plain and self._stage is _Stage.READY:
-                self._flush()
-        return req
+            plain.append(_keep(v))
+        self._plain_bytes += total
+        return self._gathered(total)
 
     def _gather(self, view: memoryview, n: int) -> WriteRequest | None:
         # Encrypted at the end of the iteration: the caller may reuse its
         # buffer before that.
         self._plain.append(_keep(view))
         self._plain_bytes += n
+        return self._gathered(n)
+
+    def _gathered(self, n: int) -> WriteRequest | None:
+        """``n`` bytes of plaintext were just gathered (one write's): send
+        them now, or at the end of the iteration; their request, if they
+        must wait for the plain connection."""
         req = None
         stage = self._stage
         lower = self._lower

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import ssl
-from typing import Any
+from typing import Any, cast
 
 import pytest
 
@@ -378,4 +378,68 @@ async def test_the_error_report_names_the_method_of_the_app_that_raised(
         assert errors[0]["exception"] is exc
     finally:
         loop.set_exception_handler(None)
+        server.close()
+
+
+class WritingTwo(asyncio.Protocol):
+    """Writes one byte, then two 5,000-byte buffers in one ``writelines()``
+    above a 1,000 byte high-water mark, then closes; ``pause_writing()`` writes ``b"P"``
+    or closes."""
+
+    def __init__(self, in_pause: str) -> None:
+        self.in_pause = in_pause
+        self.paused = False
+        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        tr = cast(asyncio.Transport, transport)
+        self.transport = tr
+        tr.set_write_buffer_limits(high=1000)
+        tr.write(b"W")  # (goes at once; what follows in this iteration is gathered)
+        tr.writelines([b"A" * 5000, b"B" * 5000])
+        tr.close()  # (if pause_writing() has not: plain, the kernel took it all)
+
+    def pause_writing(self) -> None:
+        self.paused = True
+        if self.in_pause == "write":
+            self.transport.write(b"P")
+        else:
+            self.transport.close()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("in_pause", ["write", "close"])
+async def test_pause_writing_comes_after_the_whole_writelines(
+    tls: bool, in_pause: str, request: pytest.FixtureRequest,
+) -> None:
+    """Over TLS, ``writelines()`` gathered its buffers one at a time and
+    checked the high-water mark after each: the app's ``pause_writing()``
+    ran between two buffers of one call. A write made there went out
+    between them (the peer got A..P B..), and a ``close()`` made there
+    dropped the second buffer, which the call had accepted (the peer got
+    A.. and EOF). As with the loops' transports, the whole call comes
+    first: A.. B.. then P, or A.. B.. then EOF. (A first write of one
+    byte makes the call's buffers wait for the end of the iteration, so
+    they count against the mark.)"""
+    server_ssl, client_ssl = contexts(tls, request)
+    got: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        got.set_result(await reader.read())
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0, ssl=server_ssl)
+    try:
+        app = WritingTwo(in_pause)
+        await connect(app, server.sockets[0].getsockname()[1], client_ssl)
+        data = await asyncio.wait_for(got, WAKE)
+        assert app.paused or not tls  # (TLS: the call's plaintext counts)
+        assert data == b"W" + b"A" * 5000 + b"B" * 5000 + (b"P" if app.paused and in_pause == "write" else b"")
+        assert await asyncio.wait_for(app.lost, WAKE) is None
+    finally:
         server.close()
