@@ -79,7 +79,7 @@ from ._errors import (
 )
 from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import (
-    _AFTER_READ, _NOT_YET, CORK_LIMIT, EXITS, SlabTransport, WriteGate, _as_bytes_view, _keep,
+    _AFTER_READ, _NOT_YET, CORK_LIMIT, CORK_PIECES, EXITS, SlabTransport, WriteGate, _as_bytes_view, _keep,
     _views_of, _SELECTOR_LOOP, FEED, FEED_PAUSED, FEED_STOPPED, FEED_SWITCHED, _loop_resources,
     callback_name, chunk_deliverer, flow_limits, schedule_flush,
 )
@@ -693,7 +693,9 @@ class TLSTransport(WriteGate):
                 self._sent_in = self._iterations.stamp(self._sent_in, self._loop)
                 self._flush()  # (checks the pause itself)
                 return req
-            if self._plain_bytes >= CORK_LIMIT:
+            if self._plain_bytes >= CORK_LIMIT or len(self._plain) >= CORK_PIECES:
+                # (Pieces: each is a view of the app's buffer, some 200
+                # bytes of objects; 65,536 one-byte writes held 20 MiB.)
                 self._flush()
                 return req
             if not self._flush_scheduled:

@@ -10,6 +10,7 @@ import asyncio
 import hashlib
 import os
 import socket
+import tracemalloc
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
@@ -256,6 +257,31 @@ async def test_writelines_of_many_small_buffers_is_one_write_of_them_joined(
     assert await asyncio.wait_for(done, WAKE) == sent
     writer.close()
     server.close()
+
+
+@pytest.mark.asyncio
+async def test_a_burst_of_tiny_tls_writes_holds_no_more_than_the_plain_gather(
+    tls_server_context: Any, tls_client_context: Any
+) -> None:
+    """65,536 one-byte writes in one turn of the loop, over TLS. Each was
+    kept as a view of its own until the end of the iteration or 64 KiB
+    (some 300 bytes of objects a byte: 20 MiB held), where the plain
+    transport gathers at most IOV_MAX writes. Now TLS encrypts every
+    IOV_MAX writes too: what is held stays within a few hundred KiB, and
+    every byte arrives in order."""
+    data = bytes(i % 251 for i in range(65536))
+    async with tls_sink(tls_server_context, tls_client_context) as (writer, done):
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for i in range(len(data)):
+                writer.write(data[i : i + 1])
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        writer.close()
+        assert await asyncio.wait_for(done, WAKE) == data
+        assert held < 2 * 1024 * 1024, held
 
 
 @pytest.mark.asyncio
