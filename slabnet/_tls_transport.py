@@ -231,6 +231,9 @@ class TLSTransport(WriteGate):
         self._lower_paused = False
         self._answers = 0
         self._answers_wait = False
+        # The app resumed with records or plaintext held: the plain
+        # connection resumes once the pump has delivered them (_pump).
+        self._resume_after_pump = False
         self._released = 0  # the engine's released_plaintext, as last sent
         self._plain: list[memoryview] = []  # plaintext for the next flush
         self._plain_bytes = 0
@@ -546,7 +549,7 @@ class TLSTransport(WriteGate):
         lower = self._lower
         return (
             not self._reading_paused and not self._closing
-            and lower is not None and lower.is_reading()
+            and lower is not None and (lower.is_reading() or self._resume_after_pump)
         )
 
     def pause_reading(self) -> None:
@@ -573,16 +576,26 @@ class TLSTransport(WriteGate):
         if self._answers_wait or self._reading_paused:
             return
         assert self._lower is not None
-        self._lower.resume_reading()
         engine = self._engine
-        if held and engine is not None and (
+        backlog = held and engine is not None and (
             engine.buffered_ciphertext or engine.plaintext_waiting
             or self._held_plain is not None
-            or (engine.read_ended and not self._read_over)
-            or (self._peer_eof and not self._read_over)
-        ):
+        )
+        if backlog:
             # Records that arrived before the pause are delivered first, and
-            # so is an end the engine read with them: no input may come to
+            # only then does the plain connection read again: resumed now,
+            # its next read (256 KiB) could come before the pump, be kept
+            # behind them (a copy of all that is held), and the app, which
+            # pauses again after a chunk or two, would make every turn of
+            # the loop read more than it delivers: the whole stream held,
+            # and copied once a read.
+            self._resume_after_pump = True
+        else:
+            self._lower.resume_reading()
+        if backlog or held and engine is not None and not self._read_over and (
+            engine.read_ended or self._peer_eof
+        ):
+            # So is an end the engine read with them: no input may come to
             # bring it (a peer waits for our close_notify after its own).
             self._loop.call_soon(self._pump)
 
@@ -1082,6 +1095,11 @@ class TLSTransport(WriteGate):
         if final:
             return
         self._send_output()
+        if self._resume_after_pump and not self._reading_paused and not self._answers_wait:
+            # What was held at the app's resume is delivered (_resume_lower).
+            self._resume_after_pump = False
+            assert self._lower is not None
+            self._lower.resume_reading()
         if self._read_over and self._held_plain is None:
             # (With plaintext held for a paused app, the EOF comes after
             # it: from the pump of its resume.)

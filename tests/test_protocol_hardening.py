@@ -443,3 +443,51 @@ async def test_pause_writing_comes_after_the_whole_writelines(
         assert await asyncio.wait_for(app.lost, WAKE) is None
     finally:
         server.close()
+
+
+class PausingEachChunk(slabnet.ChunkProtocol):
+    """Pauses in every ``chunk_received()`` and resumes from a ``call_soon``
+    callback (as an app handing each chunk to a consumer does); notes the
+    most ciphertext its TLS transport held undecrypted."""
+
+    def __init__(self) -> None:
+        self.got = bytearray()
+        self.most_held = 0
+        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(slabnet.TLSTransport, transport)
+
+    def chunk_received(self, chunk: memoryview) -> None:
+        self.got += chunk
+        self.most_held = max(self.most_held, self.transport.get_read_buffer_size())
+        self.transport.pause_reading()
+        asyncio.get_running_loop().call_soon(self.transport.resume_reading)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+@pytest.mark.asyncio
+async def test_a_tls_app_that_pauses_each_chunk_holds_no_more_than_a_read(
+    request: pytest.FixtureRequest,
+) -> None:
+    """The resume came before the loop's next read in the same turn, and
+    the TLS layer resumed the plain reads at once, the records it held to
+    be delivered by a pump after that read: each turn read 256 KiB,
+    delivered a chunk or two and kept the rest behind what it held (a copy
+    of it all). Over 8 MiB the layer held 7.5 MiB, CPU grew with the square
+    of the stream. The plain reads now resume once what was held is
+    delivered: at most a read's worth waits."""
+    server_ssl, client_ssl = contexts(True, request)
+    data = os.urandom(8 * 1024 * 1024)
+    server = await sending_server(data, server_ssl)
+    try:
+        app = PausingEachChunk()
+        await connect(app, server.sockets[0].getsockname()[1], client_ssl)
+        assert await asyncio.wait_for(app.lost, WAKE) is None
+        assert app.got == data
+        assert app.most_held <= 512 * 1024, app.most_held
+    finally:
+        server.close()
