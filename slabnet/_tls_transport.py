@@ -486,9 +486,9 @@ class TLSTransport(WriteGate):
     def feed_state(self, protocol: Any) -> int:
         if self._closing or self._stage is _Stage.DONE or isinstance(self._error, LocalAbortError):
             return FEED_STOPPED
-        if self._app is not protocol:
-            return FEED_SWITCHED
-        return FEED_PAUSED if self._reading_paused else FEED
+        if self._reading_paused:
+            return FEED_PAUSED  # (after a switch too: the new one gets it on resume)
+        return FEED_SWITCHED if self._app is not protocol else FEED
 
     def hold_rest(self, rest: memoryview) -> None:
         held = self._held_plain

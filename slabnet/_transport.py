@@ -1977,9 +1977,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
     def feed_state(self, protocol: Any) -> int:
         if self._stopped or self._transport is None:
             return FEED_STOPPED
-        if self.upper is not protocol:
-            return FEED_SWITCHED
-        return FEED_PAUSED if self._paused else FEED
+        if self._paused:
+            return FEED_PAUSED  # (after a switch too: the new one gets it on resume)
+        return FEED_SWITCHED if self.upper is not protocol else FEED
 
     def hold_rest(self, rest: memoryview) -> None:
         """What a paused upper protocol's buffers did not take of a chunk:

@@ -252,6 +252,60 @@ async def test_set_protocol_from_a_data_callback_sends_the_rest_to_the_new_proto
         server.close()
 
 
+class SwitchingAndPausing(Switching):
+    """Switches to ``new`` and pauses reading in the first buffer_updated()
+    that filled its buffer (more of that read follows: a TLS connection's
+    first chunk may be shorter); a ``call_soon`` callback resumes (after
+    telling ``new``)."""
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self.got += self.buf[:nbytes]
+        if not self.calls and nbytes == len(self.buf):
+            self.calls += 1
+            self.transport.set_protocol(self.new)
+            self.transport.pause_reading()
+            asyncio.get_running_loop().call_soon(self.resume)
+
+    def resume(self) -> None:
+        self.new.paused = False  # type: ignore[attr-defined]
+        self.transport.resume_reading()
+
+
+class CollectingUnlessPaused(Collecting):
+    """Notes each ``data_received()`` made while its transport was paused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = True
+        self.while_paused = 0
+
+    def data_received(self, data: bytes) -> None:
+        self.while_paused += self.paused
+        super().data_received(data)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_a_switch_made_while_pausing_sends_the_rest_only_after_the_resume(
+    tls: bool, request: pytest.FixtureRequest,
+) -> None:
+    """A BufferedProtocol switches to a new protocol and pauses reading in
+    one buffer_updated(): the rest of the read went to the new protocol
+    at once, while paused (the switch was looked at before the pause).
+    As the loops do, it now comes only after resume_reading()."""
+    server_ssl, client_ssl = contexts(tls, request)
+    server = await sending_server(DATA, server_ssl)
+    try:
+        new = CollectingUnlessPaused()
+        app = SwitchingAndPausing(new)
+        await connect(app, server.sockets[0].getsockname()[1], client_ssl)
+        await asyncio.wait_for(new.lost, WAKE)
+        assert app.calls == 1 and new.while_paused == 0
+        assert bytes(app.got + new.got) == DATA
+    finally:
+        server.close()
+
+
 class Failing(slabnet.ChunkProtocol):
     """Its chunk_received raises; a callback it scheduled first then looks
     at the transport and writes."""
