@@ -466,7 +466,7 @@ class TLSTransport(WriteGate):
         if self._answers_wait:
             self._answers_wait = False
             self._resume_lower()
-        self._check_pause()
+        self._check_pause(True)  # (told by the plain connection, from the loop)
 
     # ================================================ the app's side
 
@@ -835,9 +835,9 @@ class TLSTransport(WriteGate):
     def _flush_soon(self) -> None:
         self._flush_scheduled = False
         if self._stage is not _Stage.DONE:
-            self._flush()
+            self._flush(True)
 
-    def _flush(self) -> None:
+    def _flush(self, from_loop: bool = False) -> None:
         if self._plain and self._stage is not _Stage.HANDSHAKE:
             try:
                 self._encrypt()
@@ -847,7 +847,7 @@ class TLSTransport(WriteGate):
                 # which every waiter gets, instead of escaping to the loop.
                 self._abort(untraced(exc))
                 return
-        self._check_pause()
+        self._check_pause(from_loop)
 
     def _encrypt(self) -> None:
         """Encrypt the plaintext gathered this iteration and send it."""

@@ -570,7 +570,7 @@ class WriteGate(_FlowControlBase):
     """
 
     __slots__ = (
-        "_high", "_low", "_eof_requested", "_dropped_writes",
+        "_high", "_low", "_resume_scheduled", "_eof_requested", "_dropped_writes",
         "_sending_file", "_reading_before", "_resume_after",
     )
 
@@ -588,6 +588,7 @@ class WriteGate(_FlowControlBase):
         self._high = DEFAULT_HIGH_WATER
         self._low = DEFAULT_HIGH_WATER // 4
         self._protocol_paused = False
+        self._resume_scheduled = False  # a resume found in an app's call (_check_pause)
         self._eof_requested = False
         self._dropped_writes = 0  # writes after close()/abort()/the connection went
         self._sending_file = False  # loop.sendfile()'s fallback protocol is set
@@ -646,15 +647,32 @@ class WriteGate(_FlowControlBase):
         if self._eof_requested:
             raise RuntimeError("Cannot call write() after write_eof()")
 
-    def _check_pause(self) -> None:
+    def _check_pause(self, from_loop: bool = False) -> None:
+        """Tell the app to pause above the high-water mark, or to resume at
+        the low one. A resume is told from the loop's callbacks only
+        (``from_loop``: a writable socket, the end-of-iteration flush), as
+        the loops' transports tell it from their write callbacks: found in
+        one of the app's own calls -- a ``write()`` whose gathered bytes it
+        sent, made in ``pause_writing()`` or in a producer's loop -- it comes
+        from the loop a moment later, never nested in the app's call (whose
+        producer would run again inside itself)."""
         size = self.get_write_buffer_size()
         if not self._protocol_paused:
             if size > self._high:
                 self._protocol_paused = True
                 self._notify_app("pause_writing")
         elif size <= self._low:
-            self._protocol_paused = False
-            self._notify_app("resume_writing")
+            if from_loop:
+                self._protocol_paused = False
+                self._notify_app("resume_writing")
+            elif not self._resume_scheduled:
+                self._resume_scheduled = True
+                self._loop.call_soon(self._resume_soon)
+
+    def _resume_soon(self) -> None:
+        self._resume_scheduled = False
+        if self._protocol_paused:
+            self._check_pause(True)
 
     def get_protocol(self) -> asyncio.BaseProtocol:
         raise NotImplementedError
@@ -1271,10 +1289,11 @@ class SlabTransport(WriteGate):
         self._flush_scheduled = False
         if self._state is _State.CLOSED:
             return
-        self._flush()
+        self._flush(True)
 
-    def _flush(self) -> None:
-        """Send what is queued; wait for writability if the kernel is full."""
+    def _flush(self, from_loop: bool = False) -> None:
+        """Send what is queued; wait for writability if the kernel is full.
+        (``from_loop``: called by the loop, which may tell the app to resume.)"""
         self._corked = 0
         self._corked_pieces = 0
         out = self._out
@@ -1286,7 +1305,7 @@ class SlabTransport(WriteGate):
             self._wait_writable()
         else:
             self._stop_waiting()
-        self._check_pause()
+        self._check_pause(from_loop)
         if not out:
             if self._eof_requested and not self._eof_sent:
                 try:
@@ -1365,7 +1384,7 @@ class SlabTransport(WriteGate):
                     os.close(fd)
                     self._res.give_back_all()
         if self._dup is not None:
-            self._loop.add_writer(self._dup.fileno(), self._flush)
+            self._loop.add_writer(self._dup.fileno(), self._flush, True)
             self._res.watch(self, self._loop)
             return
         self._lend()
@@ -1411,7 +1430,7 @@ class SlabTransport(WriteGate):
         self._lending = False
         self._waiting_writable = False
         self._out.repaid()
-        self._flush()  # (and an EOF or a close that waited for the queue)
+        self._flush(True)  # (and an EOF or a close that waited for the queue)
 
     def _give_back_stalled(self) -> None:
         """The sweep saw this queue send nothing for a whole period, in a

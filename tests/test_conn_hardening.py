@@ -398,10 +398,10 @@ async def test_a_queue_with_no_descriptor_to_wait_on_is_not_woken_while_its_peer
     flushes = 0
     flush = slabnet.SlabTransport._flush
 
-    def counting(self: Any) -> None:
+    def counting(self: Any, *args: Any) -> None:
         nonlocal flushes
         flushes += 1
-        flush(self)
+        flush(self, *args)
 
     writer, peer = await _blocking_pair(listener)
     with lowest_free_in_the_upper_half():

@@ -545,3 +545,89 @@ async def test_a_tls_app_that_pauses_each_chunk_holds_no_more_than_a_read(
         assert app.most_held <= 512 * 1024, app.most_held
     finally:
         server.close()
+
+
+class Producer(asyncio.Protocol):
+    """Replies to a request with 200 frames of 1,000 bytes, writing while
+    not paused, above a 4,096-byte high-water mark; its ``pause_writing()``
+    writes a 40,000-byte notice first. Notes which of its own callbacks
+    were running when each flow-control callback came."""
+
+    FRAMES = 200
+
+    def __init__(self) -> None:
+        self.paused = False
+        self.sent = 0
+        self.running: list[str] = []
+        self.told: list[tuple[str, tuple[str, ...]]] = []
+        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)
+        self.transport.set_write_buffer_limits(high=4096)
+
+    def data_received(self, data: bytes) -> None:
+        self.running.append("data_received")
+        self.produce()
+        self.running.pop()
+
+    def produce(self) -> None:
+        while not self.paused and self.sent < self.FRAMES:
+            self.transport.write(b"f" * 1000)
+            self.sent += 1
+        if self.sent == self.FRAMES:
+            self.transport.close()
+
+    def pause_writing(self) -> None:
+        self.told.append(("pause_writing", tuple(self.running)))
+        self.running.append("pause_writing")
+        self.transport.write(b"N" * 40000)
+        self.running.pop()
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.told.append(("resume_writing", tuple(self.running)))
+        self.paused = False
+        self.produce()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+async def test_resume_writing_never_comes_inside_the_apps_own_call(
+    tls: bool, request: pytest.FixtureRequest,
+) -> None:
+    """Plain TCP: the write in pause_writing() sent the small writes
+    gathered before it, and slabnet told the app to resume from inside
+    that write: inside
+    its pause_writing(), before the app had noted the pause. The app's
+    producer then ran inside itself and sent 249 frames of 200, and it
+    took itself for paused with nothing left to resume it. The loops'
+    transports tell resume_writing() from their write callbacks only, and
+    so does slabnet now: the resume found in an app's call comes from the
+    loop. (The TLS rows passed before too: there the plaintext waits for
+    the end of the iteration.)"""
+    loop = asyncio.get_running_loop()
+    server_ssl, client_ssl = contexts(tls, request)
+    app = Producer()
+    server = await loop.create_server(
+        lambda: slabnet.SlabProtocol(app, ssl=server_ssl, server_side=True), "127.0.0.1", 0
+    )
+    try:
+        reader, writer = await asyncio.open_connection(
+            "127.0.0.1", server.sockets[0].getsockname()[1], ssl=client_ssl,
+            server_hostname="localhost" if tls else None,
+        )
+        writer.write(b"GET\n")
+        got = await asyncio.wait_for(reader.read(), WAKE)
+        assert await asyncio.wait_for(app.lost, WAKE) is None
+        writer.close()
+        assert ("pause_writing", ("data_received",)) in app.told
+        assert all(not running for name, running in app.told if name == "resume_writing")
+        assert app.sent == Producer.FRAMES and not app.paused
+        assert got.replace(b"N", b"") == b"f" * 1000 * Producer.FRAMES
+    finally:
+        server.close()
