@@ -1161,6 +1161,8 @@ def _ssl_args(
     server_hostname: str | None,
     ssl_handshake_timeout: float | None,
     ssl_shutdown_timeout: float | None,
+    ssl_ragged_eof: bool = True,
+    ssl_session: _ssl.SSLSession | None = None,
 ) -> tuple[_ssl.SSLContext | None, str | None]:
     if server_side and isinstance(ssl, bool):
         # (asyncio's words; False too: a server's ssl is a context or None.)
@@ -1172,6 +1174,12 @@ def _ssl_args(
             raise ValueError("ssl_handshake_timeout is only meaningful with ssl")
         if ssl_shutdown_timeout is not None:
             raise ValueError("ssl_shutdown_timeout is only meaningful with ssl")
+        # (slabnet's own: refused too, or a caller who forgot ssl= would
+        # get a plaintext connection for a session it meant to resume.)
+        if ssl_session is not None:
+            raise ValueError("ssl_session is only meaningful with ssl")
+        if not ssl_ragged_eof:
+            raise ValueError("ssl_ragged_eof is only meaningful with ssl")
         return None, None
     # Before connecting (asyncio checks in its SSL protocol, after).
     check_ssl_timeout("ssl_handshake_timeout", ssl_handshake_timeout, 0.0)
@@ -1211,7 +1219,8 @@ async def _connect(
 ) -> tuple[StreamReader, StreamWriter]:
     loop = asyncio.get_running_loop()
     ctx, hostname = _ssl_args(
-        ssl, False, host, server_hostname, ssl_handshake_timeout, ssl_shutdown_timeout
+        ssl, False, host, server_hostname, ssl_handshake_timeout, ssl_shutdown_timeout,
+        ssl_ragged_eof, ssl_session,
     )
     reader = StreamReader(limit=limit, loop=loop)
     protocol = _StreamProtocol(reader, loop=loop)
@@ -1325,7 +1334,9 @@ def _server_factory(
     ssl_ragged_eof: bool,
 ) -> Callable[[], SlabProtocol]:
     loop = asyncio.get_running_loop()
-    ctx, _ = _ssl_args(ssl, True, None, None, ssl_handshake_timeout, ssl_shutdown_timeout)
+    ctx, _ = _ssl_args(
+        ssl, True, None, None, ssl_handshake_timeout, ssl_shutdown_timeout, ssl_ragged_eof
+    )
     if limit <= 0:
         # Refused here, before the server listens: asyncio's StreamReader
         # refuses it in the factory, so its server accepts and then fails

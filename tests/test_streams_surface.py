@@ -70,6 +70,50 @@ async def test_no_byte_is_read_after_the_app_ended_its_reader(
 
 
 @pytest.mark.asyncio
+@pytest.mark.parametrize(
+    ("opener", "keyword"),
+    [
+        ("open_connection", "ssl_session"),
+        ("open_connection", "ssl_ragged_eof"),
+        ("start_server", "ssl_ragged_eof"),  # (a server resumes no session)
+    ],
+)
+async def test_a_tls_keyword_without_ssl_is_refused(
+    keyword: str, opener: str, tls_ca: Any, server_cert: Any
+) -> None:
+    """``ssl_session=`` without ``ssl=`` was ignored: a caller who forgot
+    ``ssl=`` got a plaintext connection where it meant to resume a TLS
+    session, with no error (``ssl_ragged_eof=False`` likewise). Both are
+    refused now, before anything connects or listens, as asyncio refuses
+    ``server_hostname`` and the TLS timeouts without ``ssl``."""
+    server = await slabnet.start_server(
+        lambda r, w: w.close(), "127.0.0.1", 0, ssl=server_ctx(server_cert)
+    )
+    port = server.sockets[0].getsockname()[1]
+    try:
+        if keyword == "ssl_session":
+            async with asyncio.timeout(WAKE):
+                r, w = await slabnet.open_connection(
+                    "127.0.0.1", port, ssl=client_ctx(tls_ca), server_hostname="localhost"
+                )
+                value: Any = w.get_extra_info("ssl_object").session
+                w.close()
+                await w.wait_closed()
+            assert value is not None
+        else:
+            value = False
+        with pytest.raises(ValueError, match=f"^{keyword} is only meaningful with ssl$"):
+            if opener == "open_connection":
+                await slabnet.open_connection("127.0.0.1", port, **{keyword: value})
+            else:
+                await slabnet.start_server(lambda r, w: None, "127.0.0.1", 0, **{keyword: value})
+    finally:
+        server.close()
+        async with asyncio.timeout(WAKE):
+            await server.wait_closed()
+
+
+@pytest.mark.asyncio
 @pytest.mark.parametrize("refused", ["server_hostname", "session"])
 async def test_a_tls_set_up_refused_leaves_the_callers_socket_as_it_was(
     refused: str, tls_ca: Any, server_cert: Any
