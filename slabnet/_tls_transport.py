@@ -412,6 +412,17 @@ class TLSTransport(WriteGate):
             self._timer = None
         if self._error is None:
             self._error = exc  # (an error of the final delivery comes second)
+            if (
+                exc is not None and stage is _Stage.HANDSHAKE and self._waiter is None
+                and self._loop.get_debug()
+            ):
+                # A server's incoming connection, lost in its handshake (a
+                # reset): reported in debug mode, as _fail reports one that
+                # failed there, and as asyncio's loop reports it.
+                self._loop.call_exception_handler({
+                    "message": "Error on transport creation for incoming connection",
+                    "exception": exc, "protocol": self._app, "transport": self,
+                })
         try:
             if self._engine is not None and stage is not _Stage.HANDSHAKE and (
                 not self._read_over or self._held_plain is not None

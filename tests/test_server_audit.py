@@ -21,7 +21,9 @@ from typing import Any
 import pytest
 
 import slabnet
-from conftest import Boom, Handler, RawTLS, client_ctx, fds_settle, open_fds, server_ctx
+from conftest import (
+    Boom, Handler, RawTLS, client_ctx, fds_settle, hard_close, open_fds, server_ctx,
+)
 
 TLS12 = ssl.TLSVersion.TLSv1_2
 TLS13 = ssl.TLSVersion.TLSv1_3
@@ -528,6 +530,45 @@ async def test_a_failed_incoming_handshake_is_reported_in_debug_mode_only(
             assert isinstance(handler.contexts[0]["exception"], ssl.SSLError)
         else:
             assert messages == []
+        assert served == []
+    finally:
+        loop.set_debug(was)
+        loop.set_exception_handler(None)
+        server.close()
+        await server.wait_closed()
+
+
+@pytest.mark.asyncio
+async def test_an_incoming_handshake_cut_by_a_reset_is_reported_in_debug_mode(
+    server_cert: Any,
+) -> None:
+    """The client sends part of a ClientHello, then resets. asyncio's loop
+    reports it in debug mode, as it reports a handshake that failed
+    (``Error on transport creation for incoming connection``, with the
+    ``ConnectionResetError``); slabnet reported a failed one (the test
+    above) but said nothing of a reset, on both loops."""
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    was = loop.get_debug()
+    loop.set_debug(True)
+    served: list[Any] = []
+    server = await slabnet.start_server(
+        lambda r, w: served.append(w), "127.0.0.1", 0, ssl=server_ctx(server_cert)
+    )
+    try:
+        sock = socket.create_connection(server.sockets[0].getsockname())
+        sock.sendall(b"\x16\x03\x01\x00\x05")  # a record header, nothing more
+        await asyncio.sleep(0.01)
+        hard_close(sock)
+        async with asyncio.timeout(WAKE):
+            while not handler.contexts:
+                await asyncio.sleep(0.005)
+        await asyncio.sleep(0.01)  # (no second report follows)
+        assert [c.get("message") for c in handler.contexts] == [
+            "Error on transport creation for incoming connection"
+        ]
+        assert isinstance(handler.contexts[0]["exception"], ConnectionResetError)
         assert served == []
     finally:
         loop.set_debug(was)
