@@ -1978,7 +1978,9 @@ class SlabProtocol(asyncio.BufferedProtocol):
                 try:
                     deliver(held)
                 finally:
-                    upper.connection_lost(err)
+                    # (To the protocol set now: the delivery's callback may
+                    # have switched to another, as an upgrade does.)
+                    self.upper.connection_lost(err)
             else:
                 upper.connection_lost(err)
         finally:

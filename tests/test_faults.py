@@ -169,6 +169,14 @@ async def test_peer_reset_mid_transfer_tls(listener: socket.socket, server_cert:
     assert await fds_settle(baseline) <= baseline
 
 
+async def reset_arrived(transport: asyncio.BaseTransport) -> None:
+    """Wait until the peer's reset has reached ``transport``'s socket (its
+    TCP state is CLOSE), with reading paused: only a send can meet it."""
+    sock = transport.get_extra_info("socket")
+    while sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 7:  # TCP_CLOSE
+        await asyncio.sleep(0.005)
+
+
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 @pytest.mark.asyncio
 async def test_a_write_that_meets_a_reset_keeps_what_the_kernel_had_received(
@@ -246,13 +254,46 @@ async def test_a_paused_app_whose_first_write_meets_a_reset_gets_every_byte(
         await loop.sock_sendall(peer, payload)
         await wait_acked(peer)
         hard_close(peer)
-        sock = transport.get_extra_info("socket")
-        while sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] != 7:  # TCP_CLOSE
-            await asyncio.sleep(0.005)  # (until the reset has arrived)
+        await reset_arrived(transport)
         transport.resume_reading()
         exc = await app.lost
     assert b"".join(e for e in app.events if isinstance(e, bytes)) == payload
     assert isinstance(exc, ConnectionResetError), repr(exc)
+
+
+@pytest.mark.asyncio
+async def test_the_loss_goes_to_the_protocol_its_last_chunk_switched_to(
+    listener: socket.socket,
+) -> None:
+    """An app paused from ``connection_made`` gets the peer's last bytes
+    at the loss (data before errors), and switches protocols in that
+    chunk's callback (an upgrade the peer asked for). ``connection_lost``
+    went to the old protocol, read before the delivery; the new one never
+    heard the connection go. As the loops' transports do, the protocol set
+    at that moment gets it."""
+    loop = asyncio.get_running_loop()
+
+    class Upgrading(Recorder):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            super().connection_made(transport)
+            self.transport.pause_reading()  # type: ignore[union-attr]
+
+        def chunk_received(self, chunk: memoryview) -> None:
+            super().chunk_received(chunk)
+            self.transport.set_protocol(upgraded)  # type: ignore[union-attr]
+
+    upgraded = Recorder()
+    transport, app, peer = await connect_slab(listener, WAKE, Upgrading())
+    async with asyncio.timeout(WAKE):
+        await loop.sock_sendall(peer, b"UPGRADE")
+        await wait_acked(peer)
+        hard_close(peer)
+        await reset_arrived(transport)
+        transport.write(b"reply")  # meets the reset: the connection is lost
+        exc = await upgraded.lost
+    assert isinstance(exc, ConnectionResetError), repr(exc)
+    assert app.events == ["made", b"UPGRADE"]  # (no loss: it had handed over)
+    assert upgraded.events == [("lost", ConnectionResetError)]
 
 
 # ---------------------------------------------------------------- certificates
