@@ -67,6 +67,7 @@ import asyncio
 import enum
 import logging
 import ssl
+import threading
 from collections.abc import Iterable
 from typing import Any, Final
 
@@ -169,7 +170,7 @@ class TLSTransport(WriteGate):
     # keys; one more made each dict 1.3 KiB larger. The attributes added
     # last are slots instead.
     __slots__ = (
-        "_iterations", "_sent_in", "_held_plain", "_whole_reads", "_accepted", "__dict__",
+        "_iterations", "_sent_in", "_held_plain", "_whole_reads", "_accepted", "_thread", "__dict__",
         "__weakref__",
     )
 
@@ -194,6 +195,7 @@ class TLSTransport(WriteGate):
         app_paused: bool = False,
     ) -> None:
         super().__init__(loop=loop)  # (sets _loop)
+        self._thread = threading.get_ident()  # the loop's (see _check_thread)
         self._init_gate()  # (before set_protocol, which the gate watches)
         self._app: Any
         self._deliver: Any
@@ -640,6 +642,8 @@ class TLSTransport(WriteGate):
     def write(self, data: Any) -> WriteRequest | None:  # type: ignore[override]
         """Encrypt and send ``data``; None if nothing is waiting for the
         socket, else a WriteRequest that completes once it is sent."""
+        if threading.get_ident() != self._thread:
+            self._wrong_thread()
         view = data if type(data) is bytes else _as_bytes_view(data)
         n = len(view)
         if not n:
@@ -672,6 +676,8 @@ class TLSTransport(WriteGate):
         return self._gather(memoryview(view), n)
 
     def writelines(self, list_of_data: Iterable[Any]) -> WriteRequest | None:  # type: ignore[override]
+        if threading.get_ident() != self._thread:
+            self._wrong_thread()
         views, total = _views_of(list_of_data)
         if not views:
             return None
@@ -688,6 +694,21 @@ class TLSTransport(WriteGate):
             plain.append(_keep(v))
         self._plain_bytes += total
         return self._gathered(total)
+
+    def _wrong_thread(self) -> None:
+        """A write from another thread than the one the connection was made
+        in: refused unless that thread runs the loop now (a loop may be run
+        by another thread later). The loop's thread may be in OpenSSL with
+        this connection's SSL object at the same moment (CPython lets go of
+        the GIL there), and two threads in one SSL object crash the process;
+        asyncio's transports are not thread-safe either."""
+        if asyncio._get_running_loop() is self._loop:
+            self._thread = threading.get_ident()
+            return
+        raise RuntimeError(
+            "TLSTransport.write() called from a thread other than its event loop's: "
+            "use loop.call_soon_threadsafe()"
+        )
 
     def _gather(self, view: memoryview, n: int) -> WriteRequest | None:
         # Encrypted at the end of the iteration: the caller may reuse its

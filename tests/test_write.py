@@ -285,6 +285,36 @@ async def test_a_burst_of_tiny_tls_writes_holds_no_more_than_the_plain_gather(
 
 
 @pytest.mark.asyncio
+async def test_a_tls_write_from_another_thread_is_refused(
+    tls_server_context: Any, tls_client_context: Any
+) -> None:
+    """``writer.write()`` called from a thread of the app's own, over TLS:
+    the loop's thread may be inside OpenSSL with the same SSL object (CPython
+    lets go of the GIL there), and a fuzzer crashed the process so (a
+    segfault in ssl.py). It is refused with a RuntimeError that names
+    the way (``call_soon_threadsafe``); the connection goes on."""
+    loop = asyncio.get_running_loop()
+    async with tls_sink(tls_server_context, tls_client_context) as (writer, done):
+        errors: list[BaseException] = []
+
+        def from_a_thread() -> None:
+            for method, arg in ((writer.write, b"x" * 5000), (writer.writelines, [b"y", b"z"])):
+                try:
+                    method(arg)  # type: ignore[operator]
+                except BaseException as exc:
+                    errors.append(exc)
+
+        await asyncio.wait_for(loop.run_in_executor(None, from_a_thread), WAKE)
+        assert [type(e) for e in errors] == [RuntimeError, RuntimeError]
+        assert "call_soon_threadsafe" in str(errors[0])
+        loop.call_soon_threadsafe(writer.write, b"via the loop")
+        await asyncio.sleep(0)  # (it runs first)
+        writer.write(b", then here")
+        writer.close()
+        assert await asyncio.wait_for(done, WAKE) == b"via the loop, then here"
+
+
+@pytest.mark.asyncio
 async def test_tls_writelines_of_many_small_buffers_keeps_every_byte_in_order(
     tls_server_context: Any, tls_client_context: Any
 ) -> None:
