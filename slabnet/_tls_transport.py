@@ -80,9 +80,9 @@ from ._errors import (
 )
 from ._tls import MAX_FRAGMENT, TLSEngine
 from ._transport import (
-    _AFTER_READ, _NOT_YET, CORK_LIMIT, CORK_PIECES, EXITS, SlabTransport, WriteGate, _as_bytes_view, _keep,
-    _views_of, _SELECTOR_LOOP, FEED, FEED_PAUSED, FEED_STOPPED, FEED_SWITCHED, _loop_resources,
-    callback_name, chunk_deliverer, flow_limits, schedule_flush,
+    _AFTER_READ, _NOT_YET, CORK_LIMIT, CORK_PIECES, EXITS, SlabTransport, WriteGate,
+    _as_bytes_view, _keep, _views_of, _SELECTOR_LOOP, FEED, FEED_PAUSED, FEED_STOPPED,
+    FEED_SWITCHED, _loop_resources, callback_name, chunk_deliverer, flow_limits, schedule_flush,
 )
 from ._write import WriteRequest
 
@@ -170,8 +170,8 @@ class TLSTransport(WriteGate):
     # keys; one more made each dict 1.3 KiB larger. The attributes added
     # last are slots instead.
     __slots__ = (
-        "_iterations", "_sent_in", "_held_plain", "_whole_reads", "_accepted", "_thread", "__dict__",
-        "__weakref__",
+        "_iterations", "_sent_in", "_held_plain", "_whole_reads", "_accepted", "_thread",
+        "__dict__", "__weakref__",
     )
 
     #: To the plain connection: ciphertext is copied into the engine before
@@ -195,7 +195,7 @@ class TLSTransport(WriteGate):
         app_paused: bool = False,
     ) -> None:
         super().__init__(loop=loop)  # (sets _loop)
-        self._thread = threading.get_ident()  # the loop's (see _check_thread)
+        self._thread = threading.get_ident()  # the loop's (see _wrong_thread)
         self._init_gate()  # (before set_protocol, which the gate watches)
         self._app: Any
         self._deliver: Any
@@ -706,7 +706,7 @@ class TLSTransport(WriteGate):
             self._thread = threading.get_ident()
             return
         raise RuntimeError(
-            "TLSTransport.write() called from a thread other than its event loop's: "
+            "a TLS transport written to from a thread other than its event loop's: "
             "use loop.call_soon_threadsafe()"
         )
 
