@@ -590,7 +590,7 @@ class TLSTransport(WriteGate):
             return
         assert self._lower is not None
         engine = self._engine
-        backlog = held and engine is not None and (
+        backlog = engine is not None and (
             engine.buffered_ciphertext or engine.plaintext_waiting
             or self._held_plain is not None
         )
@@ -601,9 +601,11 @@ class TLSTransport(WriteGate):
             # behind them (a copy of all that is held), and the app, which
             # pauses again after a chunk or two, would make every turn of
             # the loop read more than it delivers: the whole stream held,
-            # and copied once a read.
+            # and copied once a read. (So after any resume, a second one
+            # too, made before that pump: it finds them still held.)
             self._resume_after_pump = True
         else:
+            self._resume_after_pump = False
             self._lower.resume_reading()
         if backlog or held and engine is not None and not self._read_over and (
             engine.read_ended or self._peer_eof
@@ -1054,6 +1056,7 @@ class TLSTransport(WriteGate):
         ):
             if data is not None:
                 engine.receive_data(data)  # an engine that is done ignores it
+            self._lower_resumes()  # (nothing to deliver before it)
             return
         if data is not None:
             if self._read_over:  # (back for held plaintext only)
@@ -1127,15 +1130,22 @@ class TLSTransport(WriteGate):
         if final:
             return
         self._send_output()
-        if self._resume_after_pump and not self._reading_paused and not self._answers_wait:
-            # What was held at the app's resume is delivered (_resume_lower).
-            self._resume_after_pump = False
-            assert self._lower is not None
-            self._lower.resume_reading()
+        self._lower_resumes()
         if self._read_over and self._held_plain is None:
             # (With plaintext held for a paused app, the EOF comes after
             # it: from the pump of its resume.)
             self._read_eof()
+
+    def _lower_resumes(self) -> None:
+        """What was held at the app's resume is delivered (``_resume_lower``):
+        the plain connection reads again, unless the app paused meanwhile
+        or the engine's answers hold it."""
+        if (
+            self._resume_after_pump and not self._reading_paused and not self._answers_wait
+            and self._lower is not None
+        ):
+            self._resume_after_pump = False
+            self._lower.resume_reading()
 
     def _read_failed(self, exc: Exception, final: bool) -> None:
         """The engine ended the read side with ``exc``, after every byte."""
