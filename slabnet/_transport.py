@@ -627,11 +627,14 @@ class WriteGate(_FlowControlBase):
     def _check_writable(self) -> bool:
         """False if a write must be dropped; raises after ``write_eof()``.
 
-        As asyncio's transports do, a write after ``close()``, ``abort()`` or
-        the loss of the connection is dropped without an error (``drain()``
-        raises the connection's error instead), and each one from the fifth
-        on logs a warning. (uvloop raises RuntimeError once its handle is
-        closed; slabnet follows the default loop on both loops.)
+        As asyncio's default loop does once its connection is lost, a write
+        after ``close()``, ``abort()`` or the loss of the connection is
+        dropped without an error (``drain()`` raises the connection's error
+        instead), and each one from the fifth on logs a warning. (That loop
+        still sends a write made after ``close()`` while its buffer drains;
+        uvloop raises RuntimeError once its handle is closed. slabnet drops
+        it on both loops: after ``close()`` the peer gets what was written
+        before it.)
         """
         self._check_not_eof()
         if self._writes_closed():
