@@ -63,6 +63,17 @@ def contexts(tls: bool, request: pytest.FixtureRequest) -> tuple[Any, Any]:
     return request.getfixturevalue("tls_server_context"), request.getfixturevalue("tls_client_context")
 
 
+class NotesLoss:
+    """``lost``: a future of the argument ``connection_lost`` gets."""
+
+    def __init__(self) -> None:
+        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(exc)
+
+
 class FixedBuffer(asyncio.BufferedProtocol):
     """A 4 KiB buffer; full, it pauses reading until a later callback has
     taken its bytes (the usual flow control of a BufferedProtocol)."""
@@ -435,15 +446,15 @@ async def test_the_error_report_names_the_method_of_the_app_that_raised(
         server.close()
 
 
-class WritingTwo(asyncio.Protocol):
+class WritingTwo(NotesLoss, asyncio.Protocol):
     """Writes one byte, then two 5,000-byte buffers in one ``writelines()``
     above a 1,000 byte high-water mark, then closes; ``pause_writing()`` writes ``b"P"``
     or closes."""
 
     def __init__(self, in_pause: str) -> None:
+        super().__init__()
         self.in_pause = in_pause
         self.paused = False
-        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         tr = cast(asyncio.Transport, transport)
@@ -459,10 +470,6 @@ class WritingTwo(asyncio.Protocol):
             self.transport.write(b"P")
         else:
             self.transport.close()
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if not self.lost.done():
-            self.lost.set_result(exc)
 
 
 @pytest.mark.asyncio
@@ -499,16 +506,16 @@ async def test_pause_writing_comes_after_the_whole_writelines(
         server.close()
 
 
-class PausingEachChunk(slabnet.ChunkProtocol):
+class PausingEachChunk(NotesLoss, slabnet.ChunkProtocol):
     """Pauses in every ``chunk_received()`` and resumes from a ``call_soon``
     callback (as an app handing each chunk to a consumer does); notes the
     most ciphertext its TLS transport held undecrypted."""
 
     def __init__(self, resumes: int) -> None:
+        super().__init__()
         self.resumes = resumes
         self.got = bytearray()
         self.most_held = 0
-        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(slabnet.TLSTransport, transport)
@@ -519,10 +526,6 @@ class PausingEachChunk(slabnet.ChunkProtocol):
         self.transport.pause_reading()
         for _ in range(self.resumes):  # (a second one changes nothing for asyncio)
             asyncio.get_running_loop().call_soon(self.transport.resume_reading)
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if not self.lost.done():
-            self.lost.set_result(exc)
 
 
 @pytest.mark.asyncio
@@ -552,7 +555,7 @@ async def test_a_tls_app_that_pauses_each_chunk_holds_no_more_than_a_read(
         server.close()
 
 
-class Producer(asyncio.Protocol):
+class Producer(NotesLoss, asyncio.Protocol):
     """Replies to a request with 200 frames of 1,000 bytes, writing while
     not paused, above a 4,096-byte high-water mark; its ``pause_writing()``
     writes a 40,000-byte notice first. Notes which of its own callbacks
@@ -561,11 +564,11 @@ class Producer(asyncio.Protocol):
     FRAMES = 200
 
     def __init__(self) -> None:
+        super().__init__()
         self.paused = False
         self.sent = 0
         self.running: list[str] = []
         self.told: list[tuple[str, tuple[str, ...]]] = []
-        self.lost: asyncio.Future[BaseException | None] = asyncio.get_running_loop().create_future()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)
@@ -594,10 +597,6 @@ class Producer(asyncio.Protocol):
         self.told.append(("resume_writing", tuple(self.running)))
         self.paused = False
         self.produce()
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        if not self.lost.done():
-            self.lost.set_result(exc)
 
 
 @pytest.mark.asyncio

@@ -15,6 +15,7 @@ import socket
 import ssl
 import sys
 import textwrap
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -507,15 +508,7 @@ async def test_a_failed_incoming_handshake_is_reported_in_debug_mode_only(
     debug mode (``Error on transport creation for incoming connection``),
     and stays quiet otherwise; slabnet stayed quiet in debug mode too."""
     loop = asyncio.get_running_loop()
-    handler = Handler()
-    loop.set_exception_handler(handler)
-    was = loop.get_debug()
-    loop.set_debug(debug)
-    served: list[Any] = []
-    server = await slabnet.start_server(
-        lambda r, w: served.append(w), "127.0.0.1", 0, ssl=server_ctx(server_cert)
-    )
-    try:
+    async with unserved_tls_server(debug, server_cert) as (server, handler):
         sock = socket.create_connection(server.sockets[0].getsockname())
         sock.setblocking(False)
         try:
@@ -530,6 +523,25 @@ async def test_a_failed_incoming_handshake_is_reported_in_debug_mode_only(
             assert isinstance(handler.contexts[0]["exception"], ssl.SSLError)
         else:
             assert messages == []
+
+
+@contextlib.asynccontextmanager
+async def unserved_tls_server(
+    debug: bool, server_cert: Any
+) -> AsyncIterator[tuple[asyncio.Server, Handler]]:
+    """A TLS server whose handler must never run (checked on exit), with
+    the loop in debug mode or not and its exception handler noting reports."""
+    loop = asyncio.get_running_loop()
+    handler = Handler()
+    loop.set_exception_handler(handler)
+    was = loop.get_debug()
+    loop.set_debug(debug)
+    served: list[Any] = []
+    server = await slabnet.start_server(
+        lambda r, w: served.append(w), "127.0.0.1", 0, ssl=server_ctx(server_cert)
+    )
+    try:
+        yield server, handler
         assert served == []
     finally:
         loop.set_debug(was)
@@ -547,16 +559,7 @@ async def test_an_incoming_handshake_cut_by_a_reset_is_reported_in_debug_mode(
     (``Error on transport creation for incoming connection``, with the
     ``ConnectionResetError``); slabnet reported a failed one (the test
     above) but said nothing of a reset, on both loops."""
-    loop = asyncio.get_running_loop()
-    handler = Handler()
-    loop.set_exception_handler(handler)
-    was = loop.get_debug()
-    loop.set_debug(True)
-    served: list[Any] = []
-    server = await slabnet.start_server(
-        lambda r, w: served.append(w), "127.0.0.1", 0, ssl=server_ctx(server_cert)
-    )
-    try:
+    async with unserved_tls_server(True, server_cert) as (server, handler):
         sock = socket.create_connection(server.sockets[0].getsockname())
         sock.sendall(b"\x16\x03\x01\x00\x05")  # a record header, nothing more
         await asyncio.sleep(0.01)
@@ -569,9 +572,3 @@ async def test_an_incoming_handshake_cut_by_a_reset_is_reported_in_debug_mode(
             "Error on transport creation for incoming connection"
         ]
         assert isinstance(handler.contexts[0]["exception"], ConnectionResetError)
-        assert served == []
-    finally:
-        loop.set_debug(was)
-        loop.set_exception_handler(None)
-        server.close()
-        await server.wait_closed()
