@@ -171,7 +171,7 @@ class TLSTransport(WriteGate):
     # last are slots instead.
     __slots__ = (
         "_iterations", "_sent_in", "_held_plain", "_whole_reads", "_accepted", "_thread",
-        "__dict__", "__weakref__",
+        "_resume_after_pump", "__dict__", "__weakref__",
     )
 
     #: To the plain connection: ciphertext is copied into the engine before
@@ -421,10 +421,7 @@ class TLSTransport(WriteGate):
                 # A server's incoming connection, lost in its handshake (a
                 # reset): reported in debug mode, as _fail reports one that
                 # failed there, and as asyncio's loop reports it.
-                self._loop.call_exception_handler({
-                    "message": "Error on transport creation for incoming connection",
-                    "exception": exc, "protocol": self._app, "transport": self,
-                })
+                self._report_setup_failed(exc)
         try:
             if self._engine is not None and stage is not _Stage.HANDSHAKE and (
                 not self._read_over or self._held_plain is not None
@@ -1217,11 +1214,17 @@ class TLSTransport(WriteGate):
         # (No waiter: a server's incoming connection; asyncio's loop reports
         # its failed handshake in debug mode.)
         if not told and (setup is not None or (waiter is None and self._loop.get_debug())):
-            self._loop.call_exception_handler({
-                "message": setup or "Error on transport creation for incoming connection",
-                "exception": exc, "protocol": self._app, "transport": self,
-            })
+            self._report_setup_failed(exc, setup)
         self._abort(exc)
+
+    def _report_setup_failed(self, exc: BaseException, setup: str | None = None) -> None:
+        """Tell the loop's exception handler that the connection could not
+        be set up (``setup``: the message), in asyncio's loop's words for an
+        incoming connection whose handshake failed."""
+        self._loop.call_exception_handler({
+            "message": setup or "Error on transport creation for incoming connection",
+            "exception": exc, "protocol": self._app, "transport": self,
+        })
 
     def _app_failed(self, exc: BaseException, name: str, final: bool = False) -> None:
         """The app's callback ``name`` raised: an application bug. Report it
